@@ -1,0 +1,1 @@
+"""Consumers of the rollout streams: the scorer and the trainer SDK."""

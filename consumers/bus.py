@@ -1,0 +1,393 @@
+"""The consumer-group verbs: the one owner of XREADGROUP, XACK, XAUTOCLAIM, XPENDING,
+dead-lettering, the exactly-once forward script and safe trimming.
+
+Delivery rules (DESIGN.md §3):
+
+- A group is created at id 0, so a consumer group that attaches late still sees everything.
+- ``read`` returns new entries; ``read_own_pending`` returns entries this consumer took but
+  never acked (after a restart); ``reclaim`` takes over entries another consumer left
+  pending longer than ``reclaim_idle_ms``.
+- An entry delivered more than ``max_deliveries`` times is dead-lettered, not processed again.
+- ``forward``, ``dead_letter`` and ``drop`` all run one Lua script: XACK the source entry and,
+  only if that XACK removed it from the pending list (it returns 1 to the first acker only),
+  XADD the new entry and bump a counter. Of two consumers racing on a reclaimed entry exactly
+  one forwards it, and every count is exact.
+
+Redis errors are translated here: connection problems become ``BrokerUnavailable``; the
+BUSYGROUP/NOGROUP/NOSCRIPT replies are matched in this module and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from schemas import BrokerUnavailable, DeadLetter, Fields, encode_dead
+from schemas.keys import DROP_PREFIX, partner_key
+
+T = TypeVar("T")
+
+# KEYS[1] source stream, KEYS[2] destination stream, KEYS[3] counters hash.
+# ARGV[1] group, ARGV[2] entry id, ARGV[3] counter field ('' for none), ARGV[4..] fields
+# to XADD to KEYS[2] (none: ack and count only). Returns the new id, 1, or false.
+_ACK_AND_ADD = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
+  if #ARGV > 3 then return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4)) end
+  return 1
+end
+return false
+"""
+
+# KEYS[1] stream; ARGV[1] retention floor id ('' for none). Trims below the oldest entry some
+# consumer group still needs: its oldest pending entry, or the first one it has not read.
+# Without consumer groups nothing is trimmed: nobody has consumed anything yet.
+_SAFE_TRIM = """
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return {tonumber(ms), tonumber(seq)}
+end
+local function less(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return 0 end
+local floor = nil
+for _, g in ipairs(groups) do
+  local info = {}
+  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+  local last = parse(info['last-delivered-id'])
+  local candidate = {last[1], last[2] + 1}
+  if info['pending'] > 0 then
+    local oldest = parse(redis.call('XPENDING', KEYS[1], info['name'])[2])
+    if less(oldest, candidate) then candidate = oldest end
+  end
+  if floor == nil or less(candidate, floor) then floor = candidate end
+end
+if ARGV[1] ~= '' then
+  local retention = parse(ARGV[1])
+  if less(retention, floor) then floor = retention end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor[1] .. '-' .. floor[2])
+"""
+
+
+@dataclass(frozen=True)
+class ReaderSettings:
+    """How a consumer reads its streams."""
+
+    block_ms: int = 2000
+    """How long one XREADGROUP waits for new entries (milliseconds)."""
+    count: int = 16
+    """Most entries taken per read."""
+    reclaim_idle_ms: int = 60_000
+    """An entry pending this long (milliseconds) is presumed abandoned and taken over."""
+    reclaim_every_s: float = 5.0
+    """How often ``next_deliveries`` looks for abandoned entries (seconds)."""
+    max_deliveries: int = 5
+    """Deliveries after which an entry is dead-lettered instead of processed again."""
+    max_backoff_s: float = 1.0
+    """Longest sleep after empty reads (clients and fakes that do not honour BLOCK)."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One stream entry handed to this consumer."""
+
+    stream: str
+    entry_id: str
+    fields: Fields
+    deliveries: int = 1
+    """Times the entry has been delivered, this delivery included."""
+
+
+@asynccontextmanager
+async def translated_errors(action: str) -> AsyncIterator[None]:
+    """Turn redis-py connection failures into ``BrokerUnavailable``."""
+    try:
+        yield
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise BrokerUnavailable(f"redis unavailable while {action}: {exc}") from exc
+
+
+class StreamReader:
+    """A consumer in one consumer group over a run's partition streams."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        streams: Sequence[str],
+        group: str,
+        consumer: str,
+        settings: ReaderSettings | None = None,
+    ) -> None:
+        if not streams:
+            raise ValueError("a StreamReader needs at least one stream")
+        self.redis = redis
+        self.streams = list(streams)
+        self.group = group
+        self.consumer = consumer
+        self.settings = settings or ReaderSettings()
+        self._ack_and_add = redis.register_script(_ACK_AND_ADD)
+        self._safe_trim = redis.register_script(_SAFE_TRIM)
+        self._empty_reads = 0
+        self._last_reclaim = 0.0
+        self._reclaim_cursor = dict.fromkeys(self.streams, "0-0")
+
+    async def ensure_groups(self) -> None:
+        """Create the consumer group on every stream at id 0 (idempotent)."""
+        async with translated_errors("creating consumer groups"):
+            for stream in self.streams:
+                try:
+                    await self.redis.xgroup_create(stream, self.group, id="0", mkstream=True)
+                except redis_errors.ResponseError as exc:
+                    if "BUSYGROUP" not in str(exc):
+                        raise
+
+    async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery]:
+        """New entries for this consumer, waiting up to ``block_ms`` when there are none."""
+        return await self._read_group(">", count, block_ms)
+
+    async def read_own_pending(self, count: int | None = None) -> list[Delivery]:
+        """Entries this consumer name was given earlier but never acked (after a restart)."""
+        return await self._read_group("0", count, None)
+
+    async def _read_group(self, start: str, count: int | None, block: int | None) -> list[Delivery]:
+        count = count or self.settings.count
+        if start == ">":
+            block = self.settings.block_ms if block is None else block
+        async with translated_errors("reading"):
+            try:
+                reply = await self.redis.xreadgroup(
+                    self.group,
+                    self.consumer,
+                    dict.fromkeys(self.streams, start),
+                    count=count,
+                    block=block if block else None,
+                )
+            except redis_errors.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self.ensure_groups()  # the stream was deleted under us; recreate
+                return []
+        deliveries: list[Delivery] = []
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                if fields is None:  # pending entry whose data was deleted
+                    continue
+                deliveries.append(Delivery(name, _id(entry_id), fields, 1 if start == ">" else 2))
+        return deliveries
+
+    async def reclaim(self, count: int | None = None) -> list[Delivery]:
+        """Take over entries idle longer than ``reclaim_idle_ms``; dead-letter the over-delivered.
+
+        Returns the reclaimed entries that may still be processed.
+        """
+        count = count or self.settings.count
+        reclaimed: list[Delivery] = []
+        for stream in self.streams:
+            async with translated_errors("reclaiming"):
+                reply = await self.redis.xautoclaim(
+                    stream,
+                    self.group,
+                    self.consumer,
+                    min_idle_time=self.settings.reclaim_idle_ms,
+                    start_id=self._reclaim_cursor[stream],
+                    count=count,
+                )
+                self._reclaim_cursor[stream] = _id(reply[0])
+                entries = [(_id(i), f) for i, f in reply[1] if f is not None]
+                if not entries:
+                    continue
+                counts = await self._delivery_counts(stream, [i for i, _ in entries])
+            for entry_id, fields in entries:
+                delivery = Delivery(stream, entry_id, fields, counts.get(entry_id, 1))
+                if delivery.deliveries > self.settings.max_deliveries:
+                    await self.dead_letter(
+                        delivery,
+                        "max_deliveries",
+                        f"delivered {delivery.deliveries} times "
+                        f"(max_deliveries={self.settings.max_deliveries})",
+                    )
+                else:
+                    reclaimed.append(delivery)
+        return reclaimed
+
+    async def _delivery_counts(self, stream: str, entry_ids: list[str]) -> dict[str, int]:
+        rows = await self.redis.xpending_range(
+            stream,
+            self.group,
+            min=min(entry_ids, key=_id_key),
+            max=max(entry_ids, key=_id_key),
+            count=len(entry_ids) * 4 + 16,
+            consumername=self.consumer,
+        )
+        return {_id(row["message_id"]): int(row["times_delivered"]) for row in rows}
+
+    async def next_deliveries(self, count: int | None = None) -> list[Delivery]:
+        """The loop's one read: abandoned entries when due, else new ones.
+
+        After an empty read it sleeps with exponential back-off, so a client that returns
+        at once from BLOCK (fakeredis) does not spin.
+        """
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.settings.reclaim_every_s:
+            self._last_reclaim = now
+            reclaimed = await self.reclaim(count)
+            if reclaimed:
+                return reclaimed
+        deliveries = await self.read(count)
+        if deliveries:
+            self._empty_reads = 0
+        else:
+            self._empty_reads += 1
+            await asyncio.sleep(min(self.settings.max_backoff_s, 0.01 * 2**self._empty_reads))
+        return deliveries
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> int:
+        """Acknowledge entries; returns how many were still pending."""
+        acked = 0
+        async with translated_errors("acking"):
+            for stream in {d.stream for d in deliveries}:
+                ids = [d.entry_id for d in deliveries if d.stream == stream]
+                acked += int(await self.redis.xack(stream, self.group, *ids))
+        return acked
+
+    async def forward(
+        self, delivery: Delivery, destination: str, fields: Fields, counter: str = ""
+    ) -> str | None:
+        """Ack ``delivery`` and XADD ``fields`` to the ``destination`` stream of the same
+        partition, atomically and only if this call's XACK was the first. Returns the new
+        entry id, or None when another consumer had already acked (and forwarded) it."""
+        results = await self.forward_many([(delivery, fields)], destination, counter)
+        return results[0]
+
+    async def forward_many(
+        self, items: Sequence[tuple[Delivery, Fields]], destination: str, counter: str = ""
+    ) -> list[str | None]:
+        """``forward`` for several entries in one round trip."""
+        calls = []
+        for delivery, fields in items:
+            flat: list[Any] = [self.group, delivery.entry_id, counter]
+            for name, value in fields.items():
+                flat += (name, value)
+            keys = [
+                delivery.stream,
+                partner_key(delivery.stream, destination),
+                partner_key(delivery.stream, "counters"),
+            ]
+            calls.append((keys, flat))
+        replies = await self._run_ack_and_add(calls)
+        return [_id(r) if isinstance(r, bytes | str) else None for r in replies]
+
+    async def drop(self, deliveries: Sequence[Delivery], reason: str) -> int:
+        """Ack entries that will not be used and count them under ``drop:<reason>``."""
+        calls = [
+            (
+                [d.stream, d.stream, partner_key(d.stream, "counters")],
+                [self.group, d.entry_id, DROP_PREFIX + reason],
+            )
+            for d in deliveries
+        ]
+        replies = await self._run_ack_and_add(calls)
+        return sum(1 for r in replies if r)
+
+    async def ack_counted(self, deliveries: Sequence[Delivery], counter: str) -> int:
+        """Ack entries and count the ones this call acked under ``counter``."""
+        calls = [
+            (
+                [d.stream, d.stream, partner_key(d.stream, "counters")],
+                [self.group, d.entry_id, counter],
+            )
+            for d in deliveries
+        ]
+        replies = await self._run_ack_and_add(calls)
+        return sum(1 for r in replies if r)
+
+    async def dead_letter(self, delivery: Delivery, reason: str, detail: str = "") -> bool:
+        """Move an entry to the partition's dead stream with the reason and its payload."""
+        letter = DeadLetter(
+            reason=reason,
+            detail=detail,
+            source_stream=delivery.stream,
+            source_id=delivery.entry_id,
+            consumer_group=self.group,
+            deliveries=delivery.deliveries,
+            dead_at=time.time(),
+            payload=dict(delivery.fields),
+        )
+        new_id = await self.forward(delivery, "dead", encode_dead(letter), DROP_PREFIX + reason)
+        return new_id is not None
+
+    async def _run_ack_and_add(self, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        async with translated_errors("acking and forwarding"):
+            pipe = self.redis.pipeline(transaction=False)
+            for keys, args in calls:
+                await self._ack_and_add(keys=keys, args=args, client=pipe)
+            return list(await pipe.execute())
+
+    async def trim(self, retention_ms: int | None = None) -> int:
+        """Trim every stream below the oldest entry some consumer group still needs.
+
+        ``retention_ms`` keeps acknowledged entries younger than that for replay (rescore).
+        Returns the number of entries removed.
+        """
+        floor = "" if retention_ms is None else f"{max(0, int(time.time() * 1000) - retention_ms)}-0"
+        removed = 0
+        async with translated_errors("trimming"):
+            for stream in self.streams:
+                removed += int(await self._safe_trim(keys=[stream], args=[floor]))
+        return removed
+
+
+async def follow(
+    redis: aioredis.Redis,
+    streams: Sequence[str],
+    handle: Callable[[str, str, Fields], Awaitable[None]],
+    *,
+    start: str = "$",
+    block_ms: int = 1000,
+    stop: asyncio.Event | None = None,
+    limit: int | None = None,
+) -> int:
+    """Follow streams with plain XREAD (no consumer group: nothing is acked or claimed).
+
+    Calls ``handle(stream, entry_id, fields)`` for each entry from ``start`` on; returns the
+    number handled when ``stop`` is set or ``limit`` entries were handled.
+    """
+    cursors = dict.fromkeys(streams, start)
+    if start == "$":  # pin "now" per stream so entries added between reads are not skipped
+        async with translated_errors("following"):
+            for stream in streams:
+                last = await redis.xrevrange(stream, count=1)
+                cursors[stream] = _id(last[0][0]) if last else "0-0"
+    handled = 0
+    while not (stop and stop.is_set()) and (limit is None or handled < limit):
+        async with translated_errors("following"):
+            reply = await redis.xread(cursors, count=100, block=block_ms)
+        if not reply:
+            await asyncio.sleep(0.01)  # fakeredis returns at once
+        for stream, entries in reply or []:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                cursors[name] = _id(entry_id)
+                await handle(name, cursors[name], fields)
+                handled += 1
+                if limit is not None and handled >= limit:
+                    return handled
+    return handled
+
+
+def _id(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -1,0 +1,40 @@
+"""The reasoning-steps reward (open-r1): counts step-like markers in the completion."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from functools import cached_property
+
+from pydantic import Field, field_validator
+
+from consumers.scorer.components.base import ComponentSettings, RewardComponent
+from consumers.scorer.sample import Sample
+
+
+class ReasoningStepsSettings(ComponentSettings):
+    """Settings of `reasoning_steps`: `pattern` (a regex, compiled without flags, counted
+    with `findall` over the whole completion) and `target` (the count worth 1.0)."""
+
+    pattern: str = r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)"
+    target: int = Field(default=3, ge=1)
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        re.compile(value)
+        return value
+
+
+class ReasoningSteps(RewardComponent[ReasoningStepsSettings]):
+    """`min(1, n / target)`, n = the pattern's matches."""
+
+    settings_model = ReasoningStepsSettings
+
+    @cached_property
+    def regex(self) -> re.Pattern[str]:
+        return re.compile(self.settings.pattern)
+
+    def score(self, sample: Sample, group: Sequence[Sample]) -> float:
+        count = len(self.regex.findall(sample.full_text()))
+        return min(1.0, count / self.settings.target)

@@ -1,0 +1,191 @@
+"""A pool of worker processes for CPU-heavy rewards, each of which can be killed alone.
+
+`concurrent.futures.ProcessPoolExecutor` cannot cancel a running call: a sympy
+simplification that hangs would hold its worker for good. Here each worker owns one pipe;
+the event loop waits on the pipe's readability (never blocking), and a call that outlives
+its timeout (or is cancelled) gets its worker killed and replaced, while the other workers
+carry on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import multiprocessing
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Literal, TypeVar, cast
+
+from consumers.scorer.errors import RewardError
+
+ResultT = TypeVar("ResultT")
+StartMethod = Literal["spawn", "forkserver", "fork"]
+_READY = "ready"
+
+
+class _DeprecationNoise(logging.Filter):
+    # math-verify logs this on every call with equations=True, which open-r1's config uses.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is deprecated" not in record.getMessage()
+
+
+def _serve(connection: Connection, preload: Sequence[str]) -> None:
+    """Worker main: import `preload`, say ready, then run `(function, args)` tasks."""
+    # The parent owns shutdown; a terminal's Ctrl-C must not kill workers mid-call.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.getLogger("latex2sympy2_extended.math_normalization").addFilter(_DeprecationNoise())
+    for module in preload:
+        importlib.import_module(module)
+    connection.send(_READY)
+    while True:
+        try:
+            task = connection.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        function, args = task
+        try:
+            reply: tuple[Any, ...] = (True, function(*args))
+        except Exception as exc:
+            # Exceptions travel as text: not every exception class survives unpickling.
+            reason = getattr(exc, "reason", "error")
+            reply = (False, reason if isinstance(reason, str) else "error",
+                     f"{type(exc).__name__}: {exc}")
+        try:
+            connection.send(reply)
+        except Exception as exc:
+            connection.send((False, "error", f"unpicklable result: {exc!r}"))
+
+
+@dataclass
+class _Worker:
+    process: BaseProcess
+    connection: Connection
+
+
+async def _wait_readable(connection: Connection) -> None:
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    descriptor = connection.fileno()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(descriptor, wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(descriptor)
+
+
+class WorkerPool:
+    """`workers` processes started with `start_method`, each importing `preload` first.
+
+    Use as an async context manager; `run(function, *args, timeout=…)` calls
+    `function(*args)` in a free worker (both must be picklable), raising TimeoutError past
+    `timeout` seconds (the worker is then replaced) and `RewardError` when the function
+    raised (reason taken from the exception's `reason` attribute, else "error") or the
+    worker died ("worker_died").
+    """
+
+    def __init__(self, workers: int, *, start_method: StartMethod = "spawn",
+                 preload: Sequence[str] = (), startup_timeout_s: float = 60.0) -> None:
+        self._count = workers
+        self._context = multiprocessing.get_context(start_method)
+        self._preload = tuple(preload)
+        self._startup_timeout_s = startup_timeout_s
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._workers: set[_Worker] = set()
+        self._revivals: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> WorkerPool:
+        self._idle = asyncio.Queue()
+        starting = [self._start() for _ in range(self._count)]
+        try:
+            await asyncio.gather(*starting)
+        except BaseException:
+            self._stop_all()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        for task in self._revivals:
+            task.cancel()
+        await asyncio.gather(*self._revivals, return_exceptions=True)
+        self._stop_all()
+
+    @property
+    def replaced(self) -> int:
+        """How many workers were killed and replaced so far (timeouts, cancels, deaths)."""
+        return self._replaced
+
+    _replaced = 0
+
+    async def run(self, function: Callable[..., ResultT], *args: Any, timeout: float) -> ResultT:
+        if self._idle is None:
+            raise RuntimeError("WorkerPool is not open (use it as an async context manager)")
+        payload = bytes(ForkingPickler.dumps((function, args)))
+        worker = await self._idle.get()
+        healthy = False
+        try:
+            worker.connection.send_bytes(payload)
+            await asyncio.wait_for(_wait_readable(worker.connection), timeout)
+            reply = worker.connection.recv()
+            healthy = True
+        except (EOFError, OSError) as exc:
+            raise RewardError("worker_died", f"reward worker died: {exc!r}") from exc
+        finally:
+            if healthy:
+                self._idle.put_nowait(worker)
+            else:
+                self._retire(worker)
+                task = asyncio.get_running_loop().create_task(self._start())
+                self._revivals.add(task)
+                task.add_done_callback(self._revivals.discard)
+        if reply[0]:
+            return cast(ResultT, reply[1])
+        raise RewardError(reply[1], reply[2])
+
+    async def _start(self) -> None:
+        parent_end, child_end = self._context.Pipe()
+        process = self._context.Process(target=_serve, args=(child_end, self._preload),
+                                        daemon=True, name="rollq-reward-worker")
+        process.start()
+        child_end.close()
+        worker = _Worker(process, parent_end)
+        self._workers.add(worker)
+        try:
+            await asyncio.wait_for(_wait_readable(parent_end), self._startup_timeout_s)
+            if parent_end.recv() != _READY:
+                raise RuntimeError("reward worker sent something other than ready")
+        except BaseException:
+            self._retire(worker)
+            raise
+        assert self._idle is not None
+        self._idle.put_nowait(worker)
+
+    def _retire(self, worker: _Worker) -> None:
+        self._workers.discard(worker)
+        self._replaced += 1
+        worker.process.kill()
+        # SIGKILL makes the join immediate; it only reaps the zombie.
+        worker.process.join(5.0)
+        worker.connection.close()
+        with contextlib.suppress(ValueError):
+            worker.process.close()
+
+    def _stop_all(self) -> None:
+        for worker in list(self._workers):
+            with contextlib.suppress(OSError):
+                worker.connection.send(None)
+            worker.process.join(1.0)
+            self._retire(worker)
+        self._replaced = 0

@@ -1,0 +1,65 @@
+"""The producers' one XADD: publish whole trajectory groups onto a run's traj stream.
+
+The partition is a stable hash of ``group_id``, so a re-run of a job (same ``group_id``)
+lands in the same partition as the first run and downstream dedup sees both. Streams are
+never capped on XADD: MAXLEN would drop unread groups (see ``consumers.bus`` for safe trims).
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from schemas import BrokerUnavailable, TrajectoryGroup, encode
+from schemas.keys import (
+    PARTITIONS_FIELD,
+    RUNS_KEY,
+    check_run_name,
+    partition_of,
+    state_key,
+    stream_key,
+)
+
+
+class Publisher:
+    """Publishes trajectory groups of one run."""
+
+    def __init__(self, redis: aioredis.Redis, run: str, partitions: int = 1) -> None:
+        if partitions < 1:
+            raise ValueError("partitions must be at least 1")
+        self.redis = redis
+        self.run = check_run_name(run)
+        self.partitions = partitions
+        self._registered = False
+
+    async def register(self) -> int:
+        """Record the run and its partition count (first writer wins); returns the count in
+        force, which is the one to publish with."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.sadd(RUNS_KEY, self.run)
+            pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, self.partitions)
+            pipe.hsetnx(state_key(self.run), "created_at", time.time())
+            pipe.hget(state_key(self.run), PARTITIONS_FIELD)
+            *_, stored = await pipe.execute()
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"redis unavailable while registering run: {exc}") from exc
+        self.partitions = int(stored)
+        self._registered = True
+        return self.partitions
+
+    async def publish(self, group: TrajectoryGroup) -> str:
+        """XADD one group to its partition's traj stream; returns the entry id."""
+        if group.run != self.run:
+            raise ValueError(f"group belongs to run {group.run!r}, publisher to {self.run!r}")
+        if not self._registered:
+            await self.register()
+        key = stream_key(self.run, partition_of(group.group_id, self.partitions), "traj")
+        fields = encode(group)
+        try:
+            entry_id = await self.redis.xadd(key, fields)  # type: ignore[arg-type]
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"redis unavailable while publishing: {exc}") from exc
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

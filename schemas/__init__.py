@@ -1,0 +1,61 @@
+"""rollq's wire contract: models, the codec, key layout and the error tree.
+
+This package is the leaf of the import graph: it imports nothing else of rollq's, so a
+trainer can depend on it alone.
+"""
+
+from schemas.codec import (
+    Fields,
+    decode,
+    decode_dead,
+    decode_scored,
+    decode_trajectory,
+    encode,
+    encode_dead,
+)
+from schemas.errors import (
+    BrokerUnavailable,
+    ConfigError,
+    ContractError,
+    DecodeError,
+    InferenceUnavailable,
+    RewardError,
+    RollqError,
+    TransientError,
+    UnknownVersionError,
+)
+from schemas.models import (
+    SCHEMA_VERSION,
+    Completion,
+    DeadLetter,
+    Message,
+    ScoredGroup,
+    SequenceScore,
+    TrajectoryGroup,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BrokerUnavailable",
+    "Completion",
+    "ConfigError",
+    "ContractError",
+    "DeadLetter",
+    "DecodeError",
+    "Fields",
+    "InferenceUnavailable",
+    "Message",
+    "RewardError",
+    "RollqError",
+    "ScoredGroup",
+    "SequenceScore",
+    "TrajectoryGroup",
+    "TransientError",
+    "UnknownVersionError",
+    "decode",
+    "decode_dead",
+    "decode_scored",
+    "decode_trajectory",
+    "encode",
+    "encode_dead",
+]

@@ -1,0 +1,48 @@
+"""Annotated numpy array types for the wire models.
+
+Token arrays never travel as JSON lists: in memory they are 1-D numpy arrays of a fixed
+dtype (int32 token ids and versions, float32 logprobs/rewards, uint8 masks), and on the wire
+their little-endian bytes. The validators accept any 1-D sequence of numbers and convert it
+once; an array that already has the right dtype is taken without a copy and frozen.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import PlainSerializer, PlainValidator
+
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+UInt8Array = npt.NDArray[np.uint8]
+
+
+def _as_array(dtype: type[np.generic]) -> Any:
+    def validate(value: Any) -> np.ndarray[Any, Any]:
+        try:
+            array = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"expected a 1-D sequence of {np.dtype(dtype).name}: {exc}") from exc
+        if array.ndim != 1:
+            raise ValueError(f"expected a 1-D array, got shape {array.shape}")
+        if array.flags.writeable:
+            if array is value or array.base is not None:
+                array = array.copy()  # never freeze the caller's own buffer
+            array.flags.writeable = False
+        return array
+
+    return PlainValidator(validate)
+
+
+def _to_list(array: np.ndarray[Any, Any]) -> list[Any]:
+    return array.tolist()  # type: ignore[no-any-return]  # only for model_dump(); the codec writes bytes
+
+
+TokenIds = Annotated[Int32Array, _as_array(np.int32), PlainSerializer(_to_list)]
+"""int32 token ids (or per-token policy versions)."""
+Floats = Annotated[Float32Array, _as_array(np.float32), PlainSerializer(_to_list)]
+"""float32 values, one per token or per sequence."""
+Mask = Annotated[UInt8Array, _as_array(np.uint8), PlainSerializer(_to_list)]
+"""uint8 0/1 mask, one per token."""

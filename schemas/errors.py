@@ -1,0 +1,54 @@
+"""rollq's one exception tree.
+
+Each branch maps to one delivery action; code that catches an error decides what to do with
+the stream entry by the branch alone:
+
+- ``ContractError`` (and ``DecodeError``, ``UnknownVersionError``): the entry can never be
+  processed. Dead-letter it with the reason and ack it: retrying cannot help.
+- ``TransientError`` (``BrokerUnavailable``, ``InferenceUnavailable``): the outside world is
+  briefly unavailable. Leave the entry unacked; redelivery or a retry will take it again.
+- ``RewardError``: a reward component failed; the scorer applies the component's configured
+  policy (score 0 and flag, or dead-letter the group).
+- ``ConfigError``: a setting is wrong. Raised at start-up, before any entry is read; the CLI
+  exits non-zero with the message.
+
+Foreign exceptions (redis, httpx, pydantic) are translated into these where they enter.
+"""
+
+from __future__ import annotations
+
+
+class RollqError(Exception):
+    """Root of every error rollq raises on purpose."""
+
+
+class ContractError(RollqError):
+    """An entry or message breaks the wire contract: dead-letter it and ack."""
+
+
+class DecodeError(ContractError):
+    """Bytes on a stream could not be decoded into a rollq message."""
+
+
+class UnknownVersionError(DecodeError):
+    """The entry carries a schema version this code does not know; never guess."""
+
+
+class TransientError(RollqError):
+    """A dependency is briefly unavailable: leave the entry unacked and retry later."""
+
+
+class BrokerUnavailable(TransientError):
+    """Redis could not be reached or answered with a connection-level error."""
+
+
+class InferenceUnavailable(TransientError):
+    """No inference server could serve the request (down, timing out, or 5xx)."""
+
+
+class RewardError(RollqError):
+    """A reward component raised or timed out; the component's policy decides."""
+
+
+class ConfigError(RollqError, ValueError):
+    """A setting is invalid; raised at start-up with a message that names the field."""

@@ -1,0 +1,84 @@
+"""Redis key layout.
+
+Every key of a run partition shares one hash tag, ``{<run>:<p>}``, so a Lua script may
+touch the partition's traj, scored and dead streams atomically even on a Redis Cluster.
+Run-wide state (policy version, admission counters, the partition count) lives under the
+tag ``{<run>}``.
+
+    rollq:{<run>:<p>}:traj      raw trajectory groups (producers XADD)
+    rollq:{<run>:<p>}:scored    scored groups (the scorer's forward script XADDs)
+    rollq:{<run>:<p>}:dead      dead letters of either stage
+    rollq:{<run>:<p>}:counters  hash: scored, consumed, drop:<reason>… (updated in the same
+                                Lua call as the XACK they describe, so counts are exact)
+    rollq:{<run>}:state         hash: partitions, policy_version, created_at, counters
+    rollq:runs                  set of known run names
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from typing import Literal
+
+StreamName = Literal["traj", "scored", "dead"]
+STREAM_NAMES: tuple[StreamName, ...] = ("traj", "scored", "dead")
+PREFIX = "rollq"
+RUNS_KEY = f"{PREFIX}:runs"
+
+# Run names end up inside hash tags and key names: braces or colons would break the tag.
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+# Fields of the run state hash.
+PARTITIONS_FIELD = "partitions"
+POLICY_VERSION_FIELD = "policy_version"
+ADMITTED_FIELD = "admitted"  # groups the feeder enqueued, ever
+
+# Fields of the per-partition counters hash.
+SCORED_COUNTER = "scored"  # groups the scorers forwarded
+CONSUMED_COUNTER = "consumed"  # groups a trainer acked after a step
+DROP_PREFIX = "drop:"  # drop:<reason>: groups removed before training, by reason
+
+
+def check_run_name(run: str) -> str:
+    """Return ``run`` unchanged, or raise ValueError saying which characters are allowed."""
+    if not _RUN_NAME.match(run):
+        raise ValueError(
+            f"run name {run!r} is invalid: use 1-64 characters from A-Z a-z 0-9 _ . -"
+        )
+    return run
+
+
+def stream_key(run: str, partition: int, name: StreamName) -> str:
+    """Key of one stream of one partition, e.g. ``rollq:{gsm8k:0}:traj``."""
+    return f"{PREFIX}:{{{run}:{partition}}}:{name}"
+
+
+def stream_keys(run: str, partitions: int, name: StreamName) -> list[str]:
+    """Keys of ``name`` for every partition of a run, in partition order."""
+    return [stream_key(run, p, name) for p in range(partitions)]
+
+
+def state_key(run: str) -> str:
+    """Key of the run's state hash (partitions, policy version, admission counters)."""
+    return f"{PREFIX}:{{{run}}}:state"
+
+
+def counters_key(run: str, partition: int) -> str:
+    """Key of a partition's counters hash (same hash tag as its streams)."""
+    return f"{PREFIX}:{{{run}:{partition}}}:counters"
+
+
+def run_key(run: str, name: str) -> str:
+    """Key of another run-wide value, e.g. the feeder cursor or the seen-set of a trainer."""
+    return f"{PREFIX}:{{{run}}}:{name}"
+
+
+def partition_of(group_id: str, partitions: int) -> int:
+    """The partition a group goes to: a stable hash of its id, so a re-run lands beside it."""
+    return zlib.crc32(group_id.encode()) % partitions
+
+
+def partner_key(key: str, name: str) -> str:
+    """The key ``name`` (a stream or ``counters``) in the same partition as stream ``key``."""
+    head, _, _ = key.rpartition(":")
+    return f"{head}:{name}"

@@ -1,0 +1,178 @@
+"""The wire models: what producers emit, what scorers emit, and dead letters.
+
+The message unit is a whole group: one prompt and the N completions sampled for it. Groups
+are never split in transit, so group statistics (GRPO advantages) are always computable.
+
+Token ids come from the inference server and are never re-tokenised. In a multi-turn
+episode the completion holds every token after the prompt — model turns and the env's
+observations in order — and ``loss_mask`` marks which of them the model generated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.arrays import Floats, Mask, TokenIds
+
+SCHEMA_VERSION = 1
+"""Version written into every entry's ``v`` field. Bump on any incompatible change."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class Completion(_Frozen):
+    """One sampled sequence of a group.
+
+    All per-token arrays have the same length: the number of completion tokens.
+    """
+
+    completion_ids: TokenIds
+    """Token ids after the prompt, exactly as the server returned them (int32)."""
+    logprobs: Floats
+    """The sampler's log-probability of each completion token (float32, natural log).
+    Tokens the model did not generate (env observations) carry 0.0."""
+    loss_mask: Mask
+    """1 for tokens the model generated (trainable), 0 for env/tool tokens (uint8)."""
+    policy_version: int = Field(ge=0)
+    """Policy version the generation started under (the trainer's optimizer step)."""
+    token_versions: TokenIds | None = None
+    """Per-token policy versions (int32), present only when the version changed mid-generation;
+    when absent every token was generated under ``policy_version``."""
+    finish_reason: str = ""
+    """The server's finish reason of the last model turn: ``stop``, ``length``, ``abort``…"""
+    text: str = ""
+    """Decoded completion text, for humans and text-based rewards."""
+    reasoning: str | None = None
+    """The server's separate reasoning field (``reasoning``/``reasoning_content``), if any."""
+    messages: list[dict[str, Any]] | None = None
+    """The conversation after the prompt (multi-turn envs), for humans."""
+    turn_rewards: list[float] = Field(default_factory=list)
+    """Rewards the env gave after each model turn (multi-turn envs)."""
+    info: dict[str, Any] = Field(default_factory=dict)
+    """Free-form env information about this sequence (JSON-serialisable)."""
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> Completion:
+        n = len(self.completion_ids)
+        for name in ("logprobs", "loss_mask", "token_versions"):
+            array = getattr(self, name)
+            if array is not None and len(array) != n:
+                raise ValueError(f"{name} has {len(array)} values for {n} completion tokens")
+        return self
+
+    @property
+    def versions(self) -> TokenIds:
+        """Per-token policy versions, filled from ``policy_version`` when not stored."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(len(self.completion_ids), self.policy_version, dtype=np.int32)
+
+
+class TrajectoryGroup(_Frozen):
+    """A prompt and its N completions, as an env worker publishes it on ``traj``."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["traj"] = "traj"
+    group_id: str = Field(min_length=1)
+    """Globally unique and stable: a re-run of the same job publishes the same id."""
+    run: str = Field(min_length=1)
+    env: str = Field(min_length=1)
+    policy_version: int = Field(ge=0)
+    """Policy version the group's generation started under."""
+    prompt_ids: TokenIds
+    """Prompt token ids (int32), shared by every completion of the group."""
+    prompt_text: str = ""
+    prompt_messages: list[dict[str, Any]] | None = None
+    completions: tuple[Completion, ...] = Field(min_length=1)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """What scoring needs from the env: gold answer, step labels, tests… (JSON-serialisable)."""
+    created_at: float = 0.0
+    """Unix time (seconds) the job started."""
+    finished_at: float = 0.0
+    """Unix time (seconds) the last completion arrived."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Completion tokens over the whole group."""
+        return sum(len(c.completion_ids) for c in self.completions)
+
+
+class SequenceScore(_Frozen):
+    """The scorer's verdict on one completion."""
+
+    reward: float
+    """Total reward: the weighted sum of the reward components."""
+    advantage: float
+    """The sequence advantage under the configured estimator (GRPO, Dr.GRPO, RLOO)."""
+    token_advantages: Floats
+    """Per-token advantages (float32), one per completion token; the sequence advantage
+    broadcast, or token-level values when process rewards are configured."""
+    components: dict[str, float | None] = Field(default_factory=dict)
+    """Each component's raw (unweighted) value; None where the component skipped."""
+    token_rewards: Floats | None = None
+    """Per-token rewards (float32) from process rewards, when configured."""
+
+
+class ScoredGroup(_Frozen):
+    """A trajectory group with its rewards and advantages, as scorers publish it on ``scored``."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["scored"] = "scored"
+    trajectory: TrajectoryGroup
+    scores: tuple[SequenceScore, ...]
+    weights: dict[str, float] = Field(default_factory=dict)
+    """The weight of each component in the total reward."""
+    flags: list[str] = Field(default_factory=list)
+    """Reasons something unusual happened while scoring (a component timed out…)."""
+    reward_config: str = ""
+    """Name or hash of the reward configuration that produced the scores."""
+    scored_at: float = 0.0
+
+    @model_validator(mode="after")
+    def _check_scores(self) -> ScoredGroup:
+        completions = self.trajectory.completions
+        if len(self.scores) != len(completions):
+            raise ValueError(f"{len(self.scores)} scores for {len(completions)} completions")
+        for i, (score, completion) in enumerate(zip(self.scores, completions, strict=True)):
+            n = len(completion.completion_ids)
+            if len(score.token_advantages) != n:
+                raise ValueError(f"scores[{i}].token_advantages has {len(score.token_advantages)}"
+                                 f" values for {n} tokens")
+            if score.token_rewards is not None and len(score.token_rewards) != n:
+                raise ValueError(f"scores[{i}].token_rewards has {len(score.token_rewards)}"
+                                 f" values for {n} tokens")
+        return self
+
+    @property
+    def group_id(self) -> str:
+        return self.trajectory.group_id
+
+    @property
+    def policy_version(self) -> int:
+        return self.trajectory.policy_version
+
+
+class DeadLetter(_Frozen):
+    """An entry that could not be processed, with why and its original fields, byte for byte."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: Literal["dead"] = "dead"
+    reason: str
+    """Machine-friendly reason slug, e.g. ``decode_error``, ``max_deliveries``."""
+    detail: str = ""
+    """Human-readable detail (the exception message)."""
+    source_stream: str
+    source_id: str
+    consumer_group: str
+    deliveries: int = 0
+    dead_at: float = 0.0
+    payload: dict[bytes, bytes] = Field(default_factory=dict)
+    """The original entry's fields, unchanged, so it can be requeued or inspected."""
+
+
+Message = TrajectoryGroup | ScoredGroup

@@ -1,0 +1,249 @@
+"""The stream bus: groups, forwarding, reclaim, dead letters and safe trimming.
+
+Tests taking ``redis`` run on fakeredis and on a real redis-server; ``real_redis`` ones run
+on the real server only (Lua races, idle times, trimming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from consumers.bus import Delivery, ReaderSettings, StreamReader, follow
+from consumers.stage import Drop, Forward, Stage
+from producers.publisher import Publisher
+from schemas import decode_dead, decode_scored, decode_trajectory, encode
+from schemas.keys import counters_key, stream_key
+from tests.factories import make_group, score
+from tests.redis_server import RedisServer
+
+RUN = "test"
+TRAJ = stream_key(RUN, 0, "traj")
+SCORED = stream_key(RUN, 0, "scored")
+DEAD = stream_key(RUN, 0, "dead")
+
+
+def reader(redis: aioredis.Redis, consumer: str = "c1", **settings: int) -> StreamReader:
+    return StreamReader(redis, [TRAJ], "scorers", consumer,
+                        ReaderSettings(block_ms=50, **settings))  # type: ignore[arg-type]
+
+
+async def scored_forward(delivery: Delivery) -> Forward:
+    return Forward(encode(score(decode_trajectory(delivery.fields))))
+
+
+async def test_group_creation_is_idempotent(redis: aioredis.Redis) -> None:
+    r = reader(redis)
+    await r.ensure_groups()
+    await r.ensure_groups()  # BUSYGROUP is handled
+    groups = await redis.xinfo_groups(TRAJ)
+    assert [g["name"] for g in groups] == [b"scorers"]
+
+
+async def test_late_group_sees_entries_published_before_it(redis: aioredis.Redis) -> None:
+    await Publisher(redis, RUN).publish(make_group(group_id="early"))
+    r = reader(redis)
+    await r.ensure_groups()
+    deliveries = await r.read()
+    assert [decode_trajectory(d.fields).group_id for d in deliveries] == ["early"]
+
+
+async def test_forward_moves_group_once_and_counts(redis: aioredis.Redis) -> None:
+    group = make_group()
+    await Publisher(redis, RUN).publish(group)
+    r = reader(redis)
+    await r.ensure_groups()
+    (delivery,) = await r.read()
+    fields = encode(score(group))
+    first = await r.forward(delivery, "scored", fields, counter="scored")
+    second = await r.forward(delivery, "scored", fields, counter="scored")
+    assert first is not None and second is None
+    entries = await redis.xrange(SCORED)
+    assert len(entries) == 1
+    assert decode_scored(entries[0][1]).group_id == group.group_id
+    assert await redis.hget(counters_key(RUN, 0), "scored") == b"1"
+    assert (await redis.xpending(TRAJ, "scorers"))["pending"] == 0
+
+
+async def test_reclaim_takes_over_a_dead_consumers_entry(redis: aioredis.Redis) -> None:
+    await Publisher(redis, RUN).publish(make_group(group_id="g1"))
+    crashed = reader(redis, "crashed", reclaim_idle_ms=50)
+    await crashed.ensure_groups()
+    assert len(await crashed.read()) == 1  # ...and the consumer dies without acking
+    survivor = reader(redis, "survivor", reclaim_idle_ms=50)
+    assert await survivor.reclaim() == []  # not idle long enough yet
+    await asyncio.sleep(0.1)
+    (delivery,) = await survivor.reclaim()
+    assert delivery.deliveries == 2
+    assert decode_trajectory(delivery.fields).group_id == "g1"
+    await Stage(survivor, scored_forward).process([delivery])
+    assert await redis.xlen(SCORED) == 1
+
+
+async def test_entry_is_dead_lettered_after_max_deliveries(redis: aioredis.Redis) -> None:
+    await Publisher(redis, RUN).publish(make_group(group_id="poison"))
+    r = reader(redis, reclaim_idle_ms=0, max_deliveries=3)
+    await r.ensure_groups()
+    assert len(await r.read()) == 1  # delivery 1
+    assert len(await r.reclaim()) == 1  # delivery 2
+    assert len(await r.reclaim()) == 1  # delivery 3
+    assert await r.reclaim() == []  # delivery 4 > max: dead-lettered instead
+    (entry,) = await redis.xrange(DEAD)
+    letter = decode_dead(entry[1])
+    assert letter.reason == "max_deliveries"
+    assert letter.deliveries == 4 and letter.source_stream == TRAJ
+    assert decode_trajectory(letter.payload).group_id == "poison"
+    assert (await redis.xpending(TRAJ, "scorers"))["pending"] == 0
+    assert await redis.hget(counters_key(RUN, 0), "drop:max_deliveries") == b"1"
+
+
+MALFORMED = {
+    "garbage": {b"x": b"\x00\xff"},
+    "unknown_version": {**encode(make_group()), b"v": b"7"},
+    "truncated_ids": {**encode(make_group()), b"completion_ids": b"\x01\x02"},
+    "wrong_lengths": {**encode(make_group()), b"lengths": np.array([1], "<i4").tobytes()},
+    "missing_meta": {k: v for k, v in encode(make_group()).items() if k != b"meta"},
+}
+
+
+async def test_malformed_entries_are_dead_lettered_and_the_consumer_goes_on(
+    redis: aioredis.Redis,
+) -> None:
+    good = make_group(group_id="good")
+    for fields in MALFORMED.values():
+        await redis.xadd(TRAJ, fields)  # type: ignore[arg-type]
+    await Publisher(redis, RUN).publish(good)
+    stage = Stage(reader(redis), scored_forward)
+    assert await stage.drain() == len(MALFORMED) + 1
+    letters = [decode_dead(f) for _, f in await redis.xrange(DEAD)]
+    assert len(letters) == len(MALFORMED)
+    reasons = {letter.detail.split(" ")[0] for letter in letters}
+    assert {letter.reason for letter in letters} <= {"decode_error", "unknown_version_error"}
+    assert reasons  # every letter says what was wrong
+    assert all(letter.detail for letter in letters)
+    assert {k: v for k, v in letters[1].payload.items()} == MALFORMED["unknown_version"]
+    (scored,) = await redis.xrange(SCORED)
+    assert decode_scored(scored[1]).group_id == "good"
+    assert (await redis.xpending(TRAJ, "scorers"))["pending"] == 0
+
+
+async def test_unexpected_transform_errors_are_dead_lettered_not_crash_looped(
+    redis: aioredis.Redis,
+) -> None:
+    async def broken(delivery: Delivery) -> Forward:
+        raise ZeroDivisionError("bug")
+
+    await Publisher(redis, RUN).publish(make_group())
+    stage = Stage(reader(redis), broken)
+    await stage.drain()
+    (entry,) = await redis.xrange(DEAD)
+    assert decode_dead(entry[1]).reason == "unexpected_error"
+
+
+async def test_drop_acks_and_counts_by_reason(redis: aioredis.Redis) -> None:
+    async def degenerate(delivery: Delivery) -> Drop:
+        return Drop("zero_variance")
+
+    for _ in range(3):
+        await Publisher(redis, RUN).publish(make_group())
+    stage = Stage(reader(redis), degenerate)
+    await stage.drain()
+    assert stage.dropped == 3
+    assert await redis.hget(counters_key(RUN, 0), "drop:zero_variance") == b"3"
+    assert await redis.xlen(SCORED) == 0
+
+
+async def test_forward_race_on_a_reclaimed_entry_forwards_exactly_once(
+    real_redis: aioredis.Redis, redis_server: RedisServer
+) -> None:
+    """Consumer A stalls on entries; B reclaims them; both forward at the same moment."""
+    publisher = Publisher(real_redis, RUN)
+    for i in range(200):
+        await publisher.publish(make_group(group_id=f"g{i}", tokens=2))
+    second = aioredis.Redis.from_url(redis_server.url)
+    try:
+        slow = reader(real_redis, "slow", reclaim_idle_ms=20, count=200)
+        fast = reader(second, "fast", reclaim_idle_ms=20, count=200)
+        await slow.ensure_groups()
+        taken = await slow.read()
+        assert len(taken) == 200
+        await asyncio.sleep(0.05)
+        reclaimed = await fast.reclaim(count=200)
+        assert len(reclaimed) == 200
+        fields = encode(score(make_group(tokens=2)))
+        results = await asyncio.gather(
+            slow.forward_many([(d, fields) for d in taken], "scored", "scored"),
+            fast.forward_many([(d, fields) for d in reclaimed], "scored", "scored"),
+        )
+    finally:
+        await second.aclose()
+    wins = [a is not None for a in results[0]], [b is not None for b in results[1]]
+    assert all(a != b for a, b in zip(*wins, strict=True))  # exactly one winner per entry
+    assert await real_redis.xlen(SCORED) == 200
+    assert await real_redis.hget(counters_key(RUN, 0), "scored") == b"200"
+
+
+async def test_trim_never_removes_an_unacked_entry(real_redis: aioredis.Redis) -> None:
+    publisher = Publisher(real_redis, RUN)
+    for i in range(10):
+        await publisher.publish(make_group(group_id=f"g{i}", tokens=2))
+    scorers = reader(real_redis, count=4)
+    archiver = StreamReader(real_redis, [TRAJ], "archiver", "a1", ReaderSettings(block_ms=50))
+    await scorers.ensure_groups()
+    await archiver.ensure_groups()
+    assert await scorers.trim() == 0  # nobody has acked anything
+
+    first = await scorers.read(count=4)
+    await scorers.ack(first[:2])  # g0, g1 acked; g2, g3 pending; g4.. unread by scorers
+    all_archived = await archiver.read(count=10)
+    await archiver.ack(all_archived)
+    assert await scorers.trim() == 2  # only g0 and g1 are safe
+    remaining = [decode_trajectory(f).group_id for _, f in await real_redis.xrange(TRAJ)]
+    assert remaining == [f"g{i}" for i in range(2, 10)]
+
+    await scorers.ack(first[2:])
+    assert await scorers.trim() == 2  # g2, g3 acked: the floor moves to the unread g4
+    assert await real_redis.xlen(TRAJ) == 6
+    rest = await scorers.read(count=10)
+    assert len(rest) == 6  # every unread entry is still there
+
+
+async def test_trim_keeps_a_retention_window(real_redis: aioredis.Redis) -> None:
+    publisher = Publisher(real_redis, RUN)
+    r = reader(real_redis)
+    await r.ensure_groups()
+    for i in range(3):
+        await publisher.publish(make_group(group_id=f"g{i}", tokens=2))
+    await r.ack(await r.read())
+    assert await r.trim(retention_ms=60_000) == 0  # acked, but young: kept for replay
+    assert await r.trim() == 3
+
+
+async def test_follow_reads_without_joining_a_group(redis: aioredis.Redis) -> None:
+    publisher = Publisher(redis, RUN)
+    await publisher.publish(make_group(group_id="old"))
+    seen: list[str] = []
+
+    async def handle(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        seen.append(decode_trajectory(fields).group_id)
+
+    task = asyncio.create_task(follow(redis, [TRAJ], handle, block_ms=50, limit=2))
+    await asyncio.sleep(0.1)
+    await publisher.publish(make_group(group_id="new1"))
+    await publisher.publish(make_group(group_id="new2"))
+    assert await asyncio.wait_for(task, 5) == 2
+    assert seen == ["new1", "new2"]
+    assert await redis.xinfo_groups(TRAJ) == []
+
+
+async def test_partitions_spread_groups_and_keep_their_hash_tag(redis: aioredis.Redis) -> None:
+    publisher = Publisher(redis, "wide", partitions=4)
+    for i in range(40):
+        await publisher.publish(make_group(run="wide", group_id=f"g{i}", tokens=1))
+    lengths = [await redis.xlen(stream_key("wide", p, "traj")) for p in range(4)]
+    assert sum(lengths) == 40 and all(n > 0 for n in lengths)
+    # a second publisher asking for another partition count uses the registered one
+    assert await Publisher(redis, "wide", partitions=2).register() == 4

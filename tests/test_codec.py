@@ -1,0 +1,174 @@
+"""The codec: round-trips (property-based) and every malformed-entry case."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas import (
+    Completion,
+    ContractError,
+    DeadLetter,
+    DecodeError,
+    ScoredGroup,
+    TrajectoryGroup,
+    UnknownVersionError,
+    decode,
+    decode_dead,
+    decode_scored,
+    decode_trajectory,
+    encode,
+    encode_dead,
+)
+from tests.factories import make_group, score
+
+int32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+floats32 = st.floats(width=32, allow_nan=False)
+texts = st.text(max_size=40)
+
+
+@st.composite
+def completions(draw: st.DrawFn) -> Completion:
+    n = draw(st.integers(0, 40))
+    versioned = draw(st.booleans())
+    return Completion(
+        completion_ids=draw(st.lists(int32s, min_size=n, max_size=n)),
+        logprobs=draw(st.lists(floats32, min_size=n, max_size=n)),
+        loss_mask=draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
+        token_versions=draw(st.lists(st.integers(0, 99), min_size=n, max_size=n))
+        if versioned
+        else None,
+        policy_version=draw(st.integers(0, 99)),
+        finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
+        text=draw(texts),
+        reasoning=draw(st.none() | texts),
+        messages=draw(st.none() | st.just([{"role": "assistant", "content": "hi"}])),
+        turn_rewards=draw(st.lists(st.floats(-10, 10), max_size=3)),
+        info=draw(st.dictionaries(st.text(max_size=5), st.integers(-(2**63), 2**63 - 1),
+                                  max_size=3)),
+    )
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> TrajectoryGroup:
+    return TrajectoryGroup(
+        group_id=draw(st.text(min_size=1, max_size=20)),
+        run="run",
+        env=draw(st.text(min_size=1, max_size=10)),
+        policy_version=draw(st.integers(0, 10**6)),
+        prompt_ids=draw(st.lists(int32s, max_size=30)),
+        prompt_text=draw(texts),
+        completions=tuple(draw(st.lists(completions(), min_size=1, max_size=5))),
+        metadata=draw(st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4)),
+        created_at=draw(st.floats(0, 2e9)),
+    )
+
+
+def assert_same_group(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
+    # token_versions equal to the sequence version everywhere decode as absent (same meaning)
+    exclude = {"completions": {"__all__": {"token_versions"}}}
+    assert a.model_dump(exclude=exclude) == b.model_dump(exclude=exclude)
+    for x, y in zip(a.completions, b.completions, strict=True):
+        assert x.completion_ids.dtype == np.int32 and y.completion_ids.dtype == np.int32
+        assert np.array_equal(x.logprobs, y.logprobs)
+        assert np.array_equal(x.versions, y.versions)
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups())
+def test_trajectory_round_trip(group: TrajectoryGroup) -> None:
+    decoded = decode_trajectory(encode(group))
+    assert_same_group(group, decoded)
+
+
+@settings(max_examples=30, deadline=None)
+@given(groups(), st.data())
+def test_scored_round_trip(group: TrajectoryGroup, data: st.DataObject) -> None:
+    rewards = data.draw(st.lists(floats32, min_size=len(group.completions),
+                                 max_size=len(group.completions)))
+    scored = score(group, rewards)
+    decoded = decode_scored(encode(scored))
+    assert isinstance(decoded, ScoredGroup)
+    assert_same_group(scored.trajectory, decoded.trajectory)
+    exclude = {"trajectory": True, "scores": {"__all__": {"advantage"}}}
+    assert decoded.model_dump(exclude=exclude) == scored.model_dump(exclude=exclude)
+    # rewards and advantages travel as float32
+    for got, sent in zip(decoded.scores, scored.scores, strict=True):
+        assert got.advantage == float(np.float32(sent.advantage))
+
+
+def test_token_arrays_are_little_endian_binary() -> None:
+    group = make_group(group_size=2, tokens=3)
+    fields = encode(group)
+    ids = np.concatenate([c.completion_ids for c in group.completions])
+    assert fields[b"completion_ids"] == ids.astype("<i4").tobytes()
+    assert fields[b"lengths"] == np.array([3, 3], "<i4").tobytes()
+    assert fields[b"v"] == b"1" and fields[b"kind"] == b"traj"
+
+
+def test_decoded_arrays_are_read_only_views() -> None:
+    decoded = decode_trajectory(encode(make_group()))
+    with pytest.raises(ValueError):
+        decoded.completions[0].completion_ids[0] = 1
+
+
+def test_model_does_not_freeze_callers_array() -> None:
+    ids = np.arange(4, dtype=np.int32)
+    Completion(completion_ids=ids, logprobs=np.zeros(4), loss_mask=np.ones(4), policy_version=0)
+    ids[0] = 7  # still the caller's writable array
+
+
+def test_mismatched_per_token_lengths_are_rejected() -> None:
+    with pytest.raises(ValueError, match="logprobs has 3 values for 4"):
+        Completion(completion_ids=[1, 2, 3, 4], logprobs=[0, 0, 0], loss_mask=[1, 1, 1, 1],
+                   policy_version=0)
+
+
+def _fields() -> dict[bytes, bytes]:
+    return encode(make_group(group_size=2, tokens=4))
+
+
+MALFORMED = {
+    "garbage": ({b"junk": b"\x00\xff\xfe"}, DecodeError, "missing field 'v'"),
+    "unknown_version": ({**_fields(), b"v": b"99"}, UnknownVersionError, "unknown schema version"),
+    "unknown_kind": ({**_fields(), b"kind": b"weird"}, DecodeError, "unknown kind"),
+    "missing_meta": ({k: v for k, v in _fields().items() if k != b"meta"}, DecodeError,
+                     "missing field 'meta'"),
+    "bad_json": ({**_fields(), b"meta": b"{not json"}, DecodeError, "not valid JSON"),
+    "short_ids": ({**_fields(), b"completion_ids": b"\x01\x02\x03"}, DecodeError,
+                  "'completion_ids' has 3 bytes"),
+    "wrong_lengths": ({**_fields(), b"lengths": np.array([4, 5], "<i4").tobytes()}, DecodeError,
+                      "expected 9 x 4"),
+    "odd_lengths": ({**_fields(), b"lengths": b"\x01"}, DecodeError, "not a multiple of 4"),
+    "negative_length": ({**_fields(), b"lengths": np.array([-4, 12], "<i4").tobytes()},
+                        DecodeError, "negative"),
+    "meta_count": ({**_fields(), b"lengths": np.array([8], "<i4").tobytes()}, DecodeError,
+                   "1 lengths"),
+    "bad_version_number": ({**_fields(), b"policy_version": b"x"}, DecodeError, "invalid"),
+    "missing_meta_key": ({**_fields(), b"meta": b"{}"}, DecodeError, "invalid trajectory"),
+    "non_utf8_id": ({**_fields(), b"group_id": b"\xff\xfe"}, DecodeError, "not UTF-8"),
+    "scored_without_scores": ({**_fields(), b"kind": b"scored"}, DecodeError,
+                              "missing field 'score_meta'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_entries_raise_decode_error(case: str) -> None:
+    fields, error, message = MALFORMED[case]
+    with pytest.raises(error, match=message):
+        decode(fields)
+
+
+def test_unserialisable_metadata_is_a_contract_error() -> None:
+    group = make_group(metadata={"big": 2**70})
+    with pytest.raises(ContractError, match="not JSON-serialisable"):
+        encode(group)
+
+
+def test_dead_letter_round_trip_keeps_payload_bytes() -> None:
+    letter = DeadLetter(reason="decode_error", detail="bad", source_stream="s", source_id="1-0",
+                        consumer_group="scorers", deliveries=2, dead_at=12.5,
+                        payload={b"v": b"1", b"blob": b"\x00\xff"})
+    assert decode_dead(encode_dead(letter)) == letter
