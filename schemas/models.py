@@ -10,12 +10,14 @@ observations in order — and ``loss_mask`` marks which of them the model genera
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.arrays import Floats, Mask, TokenIds
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 SCHEMA_VERSION = 1
 """Version written into every entry's ``v`` field. Bump on any incompatible change."""
@@ -105,14 +107,14 @@ class TrajectoryGroup(_Frozen):
 class SequenceScore(_Frozen):
     """The scorer's verdict on one completion."""
 
-    reward: float
+    reward: float = Field(allow_inf_nan=False)
     """Total reward: the weighted sum of the reward components."""
-    advantage: float
+    advantage: float = Field(allow_inf_nan=False)
     """The sequence advantage under the configured estimator (GRPO, Dr.GRPO, RLOO)."""
     token_advantages: Floats
     """Per-token advantages (float32), one per completion token; the sequence advantage
     broadcast, or token-level values when process rewards are configured."""
-    components: dict[str, float | None] = Field(default_factory=dict)
+    components: dict[str, FiniteFloat | None] = Field(default_factory=dict)
     """Each component's raw (unweighted) value; None where the component skipped."""
     token_rewards: Floats | None = None
     """Per-token rewards (float32) from process rewards, when configured."""

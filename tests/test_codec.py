@@ -86,7 +86,7 @@ def test_trajectory_round_trip(group: TrajectoryGroup) -> None:
 @settings(max_examples=30, deadline=None)
 @given(groups(), st.data())
 def test_scored_round_trip(group: TrajectoryGroup, data: st.DataObject) -> None:
-    rewards = data.draw(st.lists(floats32, min_size=len(group.completions),
+    rewards = data.draw(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=len(group.completions),
                                  max_size=len(group.completions)))
     scored = score(group, rewards)
     decoded = decode_scored(encode(scored))

@@ -1,0 +1,190 @@
+"""Settings: one frozen model per role, read once at start-up and passed down explicitly.
+
+Precedence, highest first: command-line flags, ``ROLLQ_<FIELD>`` environment variables, the
+config file (YAML; top-level keys shared by every role, plus one section per role), the
+model's defaults. Library code never reads ``os.environ``: only ``load_settings`` does,
+and only when the CLI hands it the environment.
+
+A config file may look like::
+
+    redis_url: redis://127.0.0.1:6379/0
+    run: gsm8k-qwen
+    scorer:
+      reward_config: reward.yaml
+      concurrency: 16
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from schemas import ConfigError
+from schemas.keys import check_run_name
+
+S = TypeVar("S", bound="CommonSettings")
+ENV_PREFIX = "ROLLQ_"
+
+
+class CommonSettings(BaseModel):
+    """Settings every role shares."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    section: str = Field(default="", exclude=True, repr=False)
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Where the Redis server is (``redis://host:port/db``)."""
+    run: str = "default"
+    """The run: a namespace for streams, counters and the policy version."""
+    partitions: int = Field(default=1, ge=1, le=1024)
+    """Stream partitions for a new run (a run keeps the count it was created with)."""
+    log_format: Literal["auto", "json", "console"] = "auto"
+    """``auto``: console in a terminal, JSON otherwise."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("run")
+    @classmethod
+    def _valid_run(cls, value: str) -> str:
+        return check_run_name(value)
+
+
+class ReaderTuning(CommonSettings):
+    """Settings of roles that read a stream in a consumer group."""
+
+    consumer: str = ""
+    """Consumer name within the group; default: host name and process id."""
+    block_ms: int = Field(default=2000, ge=0)
+    """How long one read waits for new entries, in milliseconds."""
+    reclaim_idle_s: float = Field(default=60.0, gt=0)
+    """Entries pending longer than this (seconds) are taken over from a dead consumer."""
+    max_deliveries: int = Field(default=5, ge=1)
+    """Deliveries after which an entry is dead-lettered."""
+    retention_s: float = Field(default=0.0, ge=0)
+    """Keep acknowledged entries this long (seconds) for replay before trimming them."""
+
+
+class ScorerSettings(ReaderTuning):
+    section: str = Field(default="scorer", exclude=True, repr=False)
+    reward_config: Path | None = None
+    """YAML reward configuration; default: the ``r1``-style accuracy + format bridge."""
+    concurrency: int = Field(default=16, ge=1)
+    """Groups scored at once by one scorer process."""
+    processes: int = Field(default=2, ge=1)
+    """Worker processes for CPU-heavy reward components (math-verify)."""
+
+
+class WorkerSettings(CommonSettings):
+    section: str = Field(default="workers", exclude=True, repr=False)
+    env: str = "gsm8k"
+    """Env name (``gsm8k``, ``math``, ``guess``) or ``module:attribute`` of your own."""
+    env_options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the env (e.g. ``path`` of a dataset file)."""
+    inference: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """vLLM base URLs (comma-separated in the environment)."""
+    model: str = ""
+    """Model name the servers serve; empty: asked from ``/v1/models``."""
+    group_size: int = Field(default=8, ge=1)
+    concurrency: int = Field(default=8, ge=1)
+    """Rollout jobs one worker process runs at once (arq ``max_jobs``)."""
+    max_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    job_timeout_s: float = Field(default=600.0, gt=0)
+    """A job running longer is cancelled and retried (arq ``job_timeout``)."""
+    max_tries: int = Field(default=5, ge=1)
+    request_timeout_s: float = Field(default=300.0, gt=0)
+
+
+class FeederSettings(CommonSettings):
+    section: str = Field(default="feeder", exclude=True, repr=False)
+    env: str = "gsm8k"
+    env_options: dict[str, Any] = Field(default_factory=dict)
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the dataset; the cursor lives in Redis."""
+    max_staleness: int = Field(default=1, ge=0)
+    """How many policy versions a group may lag the trainer (AReaL's eta)."""
+    batch_groups: int = Field(default=8, ge=1)
+    """Groups the trainer consumes per optimizer step."""
+    poll_s: float = Field(default=0.2, gt=0)
+    """How often the feeder re-checks its admission budget (seconds)."""
+
+
+class TrainerSettings(ReaderTuning):
+    section: str = Field(default="trainer", exclude=True, repr=False)
+    inference: list[str] = Field(default_factory=list)
+    """vLLM base URLs to publish new weights to."""
+    max_staleness: int = Field(default=1, ge=0)
+    batch_groups: int = Field(default=8, ge=1)
+
+
+def load_settings(
+    cls: type[S],
+    *,
+    environ: Mapping[str, str],
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> S:
+    """Build ``cls`` from defaults < config file < ``ROLLQ_*`` variables < ``overrides``.
+
+    Raises ``ConfigError`` naming the offending field and where its value came from.
+    """
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    section = cls.model_fields["section"].default
+    if config_file is not None:
+        document = _read_config(config_file)
+        role = document.pop(section, None) or {}
+        for other in ROLES:
+            document.pop(other, None)
+        known = set().union(*(model.model_fields for model in ROLES.values()))
+        for name, value in document.items():
+            if name not in known:
+                raise ConfigError(f"{config_file}: unknown setting {name!r}")
+            if name in cls.model_fields:
+                values[name], sources[name] = value, str(config_file)
+        for name, value in role.items():  # a role's own section: unknown names are errors
+            values[name], sources[name] = value, f"{config_file} [{section}]"
+    for name, field in cls.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None and name != "section":
+            values[name] = raw.split(",") if get_origin(field.annotation) is list else raw
+            if get_origin(field.annotation) is dict:
+                values[name] = yaml.safe_load(raw)
+            sources[name] = ENV_PREFIX + name.upper()
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+            sources[name] = "--" + name.replace("_", "-")
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = ".".join(str(part) for part in error["loc"])
+            origin = sources.get(str(error["loc"][0]), "default") if error["loc"] else "?"
+            problems.append(f"{field} (from {origin}): {error['msg']}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+ROLES: dict[str, type[CommonSettings]] = {
+    "scorer": ScorerSettings,
+    "workers": WorkerSettings,
+    "feeder": FeederSettings,
+    "trainer": TrainerSettings,
+}
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        document = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"config file {path} must be a mapping of setting names to values")
+    return document

