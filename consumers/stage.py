@@ -126,6 +126,10 @@ class Stage:
 
 
 def _reason(exc: Exception) -> str:
-    """A snake_case reason slug from the exception class: DecodeError -> decode_error."""
+    """The exception's own ``reason`` slug if it has one (``RewardError``), else one from
+    the class name: DecodeError -> decode_error."""
+    own = getattr(exc, "reason", None)
+    if isinstance(own, str) and own:
+        return f"reward_{own}" if isinstance(exc, RewardError) else own
     name = type(exc).__name__
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")

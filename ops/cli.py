@@ -60,7 +60,8 @@ def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str,
 
 
 def redis_client(settings: CommonSettings) -> aioredis.Redis:
-    return aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    client: aioredis.Redis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    return client
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,12 +7,14 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from ops.cli import Exit, redis_client, settings_for
 from ops.settings import CommonSettings
 from ops.status import RunNotFound, collect_status, known_runs, render_status
 from ops.tail import printer
+from schemas import ConfigError
 from schemas.keys import STREAM_NAMES, stream_keys
 
 
@@ -106,10 +108,139 @@ async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     return Exit.OK
 
 
+# -- score / rescore ------------------------------------------------------------------------
+
+def _score_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reward-config", type=Path, metavar="YAML",
+                        help="reward config (see README: Rewards) [default: gsm8k accuracy "
+                        "+ think format]")
+    parser.add_argument("--concurrency", type=int, help="groups scored at once [16]")
+    parser.add_argument("--processes", type=int,
+                        help="processes for CPU-heavy reward components [2]")
+    parser.add_argument("--consumer", help="consumer name [host-pid]")
+    parser.add_argument("--burst", action="store_true",
+                        help="score what is there now, then exit")
+
+
+async def score(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ops.roles import run_scorer, stop_on_signals
+    from ops.settings import ScorerSettings
+
+    settings = settings_for(ScorerSettings, args, environ, reward_config=args.reward_config,
+                            concurrency=args.concurrency, processes=args.processes,
+                            consumer=args.consumer)
+    await run_scorer(settings, stop_on_signals(), burst=args.burst)
+    return Exit.OK
+
+
+def _rescore_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reward-config", type=Path, metavar="YAML", required=True,
+                        help="the reward config to replay the stored trajectories through")
+    parser.add_argument("--into", required=True, metavar="RUN",
+                        help="run whose scored stream receives the rescored groups")
+    parser.add_argument("--processes", type=int, help="processes for CPU-heavy components")
+
+
+async def rescore_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ops.roles import print_progress, rescore
+    from ops.settings import ScorerSettings
+    from schemas.keys import check_run_name
+
+    settings = settings_for(ScorerSettings, args, environ, reward_config=args.reward_config,
+                            processes=args.processes)
+    check_run_name(args.into)
+    if args.into == settings.run:
+        print("rollq: --into must name another run than --run", file=sys.stderr)
+        return Exit.USAGE
+    redis = redis_client(settings)
+    try:
+        exists, runs = await _run_exists(redis, settings.run)
+    finally:
+        await redis.aclose()
+    if not exists:
+        return _not_found(settings.run, runs)
+    scored, dropped = await rescore(settings, args.into, progress=print_progress)
+    print(f"\nrescored into run {args.into!r}: {scored} scored, {dropped} dropped",
+          file=sys.stderr)
+    return Exit.OK
+
+
+# -- workers / feed -------------------------------------------------------------------------
+
+def _env_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env", help="env: gsm8k | math | guess | module:attribute [gsm8k]")
+    parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="env keyword argument, e.g. path=data.jsonl (repeatable)")
+
+
+def _env_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    import yaml
+
+    options = {}
+    for pair in args.env_option:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"--env-option {pair!r}: expected KEY=VALUE")
+        options[key] = yaml.safe_load(value)
+    return options or None
+
+
+def _workers_args(parser: argparse.ArgumentParser) -> None:
+    _env_args(parser)
+    parser.add_argument("--inference", help="vLLM base URL(s), comma-separated "
+                        "[ROLLQ_INFERENCE, default http://127.0.0.1:8000]")
+    parser.add_argument("--model", help="served model name [asked from /v1/models]")
+    parser.add_argument("--concurrency", type=int, help="rollout jobs at once [8]")
+    parser.add_argument("--group-size", type=int, help="completions per group [8]")
+    parser.add_argument("--max-tokens", type=int, help="max new tokens per completion [256]")
+    parser.add_argument("--temperature", type=float, help="sampling temperature [1.0]")
+    parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
+
+
+async def workers(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ops.roles import run_workers
+    from ops.settings import WorkerSettings
+
+    settings = settings_for(
+        WorkerSettings, args, environ, env=args.env, env_options=_env_options(args),
+        inference=args.inference.split(",") if args.inference else None, model=args.model,
+        concurrency=args.concurrency, group_size=args.group_size, max_tokens=args.max_tokens,
+        temperature=args.temperature)
+    await run_workers(settings, burst=args.burst)
+    return Exit.OK
+
+
+def _feed_args(parser: argparse.ArgumentParser) -> None:
+    _env_args(parser)
+    parser.add_argument("--epochs", type=int, help="passes over the dataset [1]")
+    parser.add_argument("--max-staleness", type=int,
+                        help="policy versions a group may lag the trainer [1]")
+    parser.add_argument("--batch-groups", type=int, help="groups per trainer step [8]")
+
+
+async def feed(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ops.roles import run_feeder, stop_on_signals
+    from ops.settings import FeederSettings
+
+    settings = settings_for(FeederSettings, args, environ, env=args.env,
+                            env_options=_env_options(args), epochs=args.epochs,
+                            max_staleness=args.max_staleness, batch_groups=args.batch_groups)
+    await run_feeder(settings, stop_on_signals())
+    return Exit.OK
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None],
                 Callable[[argparse.Namespace, Mapping[str, str]], Awaitable[int]]]
 
 COMMANDS: dict[str, Command] = {
+    "workers": ("start an arq worker pool that rolls out groups on vLLM servers",
+                _workers_args, workers),
+    "feed": ("admit rollout jobs from an env's dataset at the pace the trainer sets",
+             _feed_args, feed),
+    "score": ("score trajectory groups with a reward config and forward them, exactly once",
+              _score_args, score),
+    "rescore": ("replay stored trajectories through another reward config into another run",
+                _rescore_args, rescore_command),
     "status": ("show a run's streams, consumer groups, lag, pending entries and drops",
                _status_args, status),
     "tail": ("follow a stream of a run live (joins no consumer group)", _tail_args, tail),

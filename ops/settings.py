@@ -164,9 +164,9 @@ def load_settings(
     except ValidationError as exc:
         problems = []
         for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"])
+            where = ".".join(str(part) for part in error["loc"])
             origin = sources.get(str(error["loc"][0]), "default") if error["loc"] else "?"
-            problems.append(f"{field} (from {origin}): {error['msg']}")
+            problems.append(f"{where} (from {origin}): {error['msg']}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
 
 

@@ -115,7 +115,8 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
             lines.append(f"{stream.key:<32} {stream.length:>8}  {'-':<12}")
         for i, group in enumerate(stream.groups):
             key, length = (stream.key, str(stream.length)) if i == 0 else ("", "")
-            idle = "-" if group.oldest_pending_idle_s is None else f"{group.oldest_pending_idle_s:.1f}s"
+            oldest = group.oldest_pending_idle_s
+            idle = "-" if oldest is None else f"{oldest:.1f}s"
             lag = "?" if group.lag is None else str(group.lag)
             lines.append(f"{key:<32} {length:>8}  {group.name:<12} {group.consumers:>9} "
                          f"{group.pending:>8} {lag:>6} {idle:>15}")

@@ -21,7 +21,8 @@ def format_entry(stream: str, entry_id: str, fields: Fields, width: int = 80) ->
         except ContractError as exc:
             return f"{entry_id} dead (undecodable: {exc})"
         return (f"{entry_id} dead reason={letter.reason} from={letter.source_stream} "
-                f"{letter.source_id} deliveries={letter.deliveries}\n  {_snippet(letter.detail, width)}")
+                f"{letter.source_id} deliveries={letter.deliveries}\n"
+                f"  {_snippet(letter.detail, width)}")
     try:
         message = decode(fields)
     except ContractError as exc:

@@ -125,7 +125,7 @@ def write_tiny_model(directory: Path, *, seed: int = 0) -> Path:
     vocab_size = _write_tokenizer(directory, seed)
     pad_id, eos_id = 0, 2  # <|endoftext|>, <|im_end|> (special tokens come first)
 
-    config = Qwen2Config(
+    config = Qwen2Config(  # type: ignore[call-arg]  # transformers' stubs lag its kwargs
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=256,
@@ -143,7 +143,7 @@ def write_tiny_model(directory: Path, *, seed: int = 0) -> Path:
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32).eval()
+    model = Qwen2ForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # stubs
     model.save_pretrained(directory, safe_serialization=True)
     # Written by hand (not model.generation_config) so no sampling defaults leak into vLLM.
     _dump(directory / "generation_config.json", {

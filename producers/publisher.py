@@ -12,11 +12,13 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from schemas import BrokerUnavailable, TrajectoryGroup, encode
+from schemas import BrokerUnavailable, DeadLetter, TrajectoryGroup, encode, encode_dead
 from schemas.keys import (
+    DROP_PREFIX,
     PARTITIONS_FIELD,
     RUNS_KEY,
     check_run_name,
+    counters_key,
     partition_of,
     state_key,
     stream_key,
@@ -40,8 +42,8 @@ class Publisher:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.sadd(RUNS_KEY, self.run)
-            pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, self.partitions)
-            pipe.hsetnx(state_key(self.run), "created_at", time.time())
+            pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, str(self.partitions))
+            pipe.hsetnx(state_key(self.run), "created_at", repr(time.time()))
             pipe.hget(state_key(self.run), PARTITIONS_FIELD)
             *_, stored = await pipe.execute()
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
@@ -62,4 +64,24 @@ class Publisher:
             entry_id = await self.redis.xadd(key, fields)  # type: ignore[arg-type]
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
             raise BrokerUnavailable(f"redis unavailable while publishing: {exc}") from exc
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def publish_failure(self, group_id: str, reason: str, detail: str,
+                              payload: dict[bytes, bytes] | None = None) -> str:
+        """Record a job that will never produce its group: a dead letter with the reason,
+        counted under ``drop:<reason>`` so the admission budget frees its slot."""
+        if not self._registered:
+            await self.register()
+        partition = partition_of(group_id, self.partitions)
+        letter = DeadLetter(
+            reason=reason, detail=detail, source_stream=f"jobs:{self.run}", source_id=group_id,
+            consumer_group="workers", dead_at=time.time(), payload=payload or {},
+        )
+        try:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.xadd(stream_key(self.run, partition, "dead"), encode_dead(letter))  # type: ignore[arg-type]
+            pipe.hincrby(counters_key(self.run, partition), DROP_PREFIX + reason, 1)
+            entry_id, _ = await pipe.execute()
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"redis unavailable while recording a failure: {exc}") from exc
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

@@ -78,7 +78,7 @@ class Completion(_Frozen):
 class TrajectoryGroup(_Frozen):
     """A prompt and its N completions, as an env worker publishes it on ``traj``."""
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[1] = 1
     kind: Literal["traj"] = "traj"
     group_id: str = Field(min_length=1)
     """Globally unique and stable: a re-run of the same job publishes the same id."""
@@ -123,7 +123,7 @@ class SequenceScore(_Frozen):
 class ScoredGroup(_Frozen):
     """A trajectory group with its rewards and advantages, as scorers publish it on ``scored``."""
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[1] = 1
     kind: Literal["scored"] = "scored"
     trajectory: TrajectoryGroup
     scores: tuple[SequenceScore, ...]
@@ -162,7 +162,7 @@ class ScoredGroup(_Frozen):
 class DeadLetter(_Frozen):
     """An entry that could not be processed, with why and its original fields, byte for byte."""
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[1] = 1
     kind: Literal["dead"] = "dead"
     reason: str
     """Machine-friendly reason slug, e.g. ``decode_error``, ``max_deliveries``."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-import pytest
 import redis.asyncio as aioredis
 
 from consumers.bus import Delivery, ReaderSettings, StreamReader, follow

@@ -15,9 +15,9 @@ from consumers.stage import Stage
 from ops.cli import Exit, main
 from producers.publisher import Publisher
 from schemas.keys import stream_key
+from tests.factories import make_group
 from tests.redis_server import RedisServer, free_port
 from tests.test_bus import scored_forward
-from tests.factories import make_group
 
 
 async def _populate(redis: aioredis.Redis) -> None:

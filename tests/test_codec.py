@@ -86,8 +86,9 @@ def test_trajectory_round_trip(group: TrajectoryGroup) -> None:
 @settings(max_examples=30, deadline=None)
 @given(groups(), st.data())
 def test_scored_round_trip(group: TrajectoryGroup, data: st.DataObject) -> None:
-    rewards = data.draw(st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=len(group.completions),
-                                 max_size=len(group.completions)))
+    finite = st.floats(width=32, allow_nan=False, allow_infinity=False)
+    n = len(group.completions)
+    rewards = data.draw(st.lists(finite, min_size=n, max_size=n))
     scored = score(group, rewards)
     decoded = decode_scored(encode(scored))
     assert isinstance(decoded, ScoredGroup)
@@ -136,7 +137,7 @@ MALFORMED = {
     "unknown_kind": ({**_fields(), b"kind": b"weird"}, DecodeError, "unknown kind"),
     "missing_meta": ({k: v for k, v in _fields().items() if k != b"meta"}, DecodeError,
                      "missing field 'meta'"),
-    "bad_json": ({**_fields(), b"meta": b"{not json"}, DecodeError, "not valid JSON"),
+    "bad_json": ({**_fields(), b"meta": b"{not json"}, DecodeError, "'meta' is invalid.*JSON"),
     "short_ids": ({**_fields(), b"completion_ids": b"\x01\x02\x03"}, DecodeError,
                   "'completion_ids' has 3 bytes"),
     "wrong_lengths": ({**_fields(), b"lengths": np.array([4, 5], "<i4").tobytes()}, DecodeError,
@@ -147,10 +148,14 @@ MALFORMED = {
     "meta_count": ({**_fields(), b"lengths": np.array([8], "<i4").tobytes()}, DecodeError,
                    "1 lengths"),
     "bad_version_number": ({**_fields(), b"policy_version": b"x"}, DecodeError, "invalid"),
-    "missing_meta_key": ({**_fields(), b"meta": b"{}"}, DecodeError, "invalid trajectory"),
+    "missing_meta_key": ({**_fields(), b"meta": b"{}"}, DecodeError, "'meta' is invalid"),
+    "wrong_meta_type": ({**_fields(), b"meta": _fields()[b"meta"].replace(
+        b'"text":"', b'"text":1,"x":"')}, DecodeError, "'meta' is invalid"),
     "non_utf8_id": ({**_fields(), b"group_id": b"\xff\xfe"}, DecodeError, "not UTF-8"),
     "scored_without_scores": ({**_fields(), b"kind": b"scored"}, DecodeError,
-                              "missing field 'score_meta'"),
+                              "missing field 'rewards'"),
+    "scored_bad_meta": ({**encode(score(make_group())), b"score_meta": b'{"flags": 3}'},
+                        DecodeError, "'score_meta' is invalid"),
 }
 
 
@@ -172,3 +177,26 @@ def test_dead_letter_round_trip_keeps_payload_bytes() -> None:
                         consumer_group="scorers", deliveries=2, dead_at=12.5,
                         payload={b"v": b"1", b"blob": b"\x00\xff"})
     assert decode_dead(encode_dead(letter)) == letter
+
+
+def test_token_advantages_travel_only_when_not_a_broadcast() -> None:
+    group = make_group(group_size=2, tokens=3)
+    plain = encode(score(group, [0.0, 1.0]))
+    assert b"token_advantages" not in plain
+    decoded = decode_scored(plain)
+    assert decoded.scores[1].token_advantages.tolist() == [0.5, 0.5, 0.5]
+    shaped = score(group, [0.0, 1.0])
+    shaped = shaped.model_copy(update={"scores": (
+        shaped.scores[0].model_copy(update={"token_advantages": np.array([1, 2, 3], np.float32)}),
+        shaped.scores[1])})
+    fields = encode(shaped)
+    assert b"token_advantages" in fields
+    assert decode_scored(fields).scores[0].token_advantages.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_scored_entry_can_carry_the_trajectory_bytes_unchanged() -> None:
+    group = make_group()
+    traj_fields = encode(group)
+    fields = encode(score(group), trajectory_fields=traj_fields)
+    assert fields == encode(score(group))
+    assert all(fields[k] is traj_fields[k] for k in (b"meta", b"completion_ids"))

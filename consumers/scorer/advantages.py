@@ -26,13 +26,14 @@ def compute_advantages(
 ) -> NDArray[np.float32]:
     """Advantages of one group's sequence rewards (float32, same length).
 
-    - `grpo`: `(r − mean) / (std + eps)`, std with `ddof` (0: population, 1: Bessel); a
+    - `grpo`: `(r - mean) / (std + eps)`, std with `ddof` (0: population, 1: Bessel); a
       group too small for `ddof` (n ≤ ddof) has std 0.
-    - `dr_grpo`: `r − mean` (Dr.GRPO: no std normalisation).
-    - `rloo`: `r_i − mean(r_j, j ≠ i)`; a group of one → 0.
+    - `dr_grpo`: `r - mean` (Dr.GRPO: no std normalisation).
+    - `rloo`: `r_i - mean(r_j, j ≠ i)`; a group of one → 0.
     """
-    values = np.asarray(rewards, dtype=np.float64)
+    values: NDArray[np.float64] = np.asarray(rewards, dtype=np.float64)
     count = values.size
+    result: NDArray[np.float64]
     if count == 0:
         return np.zeros(0, dtype=np.float32)
     mean = values.mean()
@@ -53,7 +54,7 @@ def compute_advantages(
 def is_zero_variance(rewards: ArrayLike, tolerance: float = 1e-12) -> bool:
     """True when the rewards' (population) variance is ≤ `tolerance`: the group carries no
     learning signal. Checked on the variance, not the mean: under shaped rewards a group of
-    equal rewards can have any mean (e.g. all −0.3), which a mean filter (all 0 / all 1)
+    equal rewards can have any mean (e.g. all -0.3), which a mean filter (all 0 / all 1)
     misses. A group of one is zero-variance."""
     values = np.asarray(rewards, dtype=np.float64)
     return values.size <= 1 or float(values.var()) <= tolerance
@@ -77,7 +78,7 @@ def compute_process_advantages(
     """Token advantages from step scores (DeepSeekMath §4.1.3, process supervision).
 
     All step scores of the group, R = {r_i,j}, are normalised together:
-    `r̃_i,j = (r_i,j − mean(R)) / (std(R, ddof) + eps)`. The advantage of token t of
+    `r̃_i,j = (r_i,j - mean(R)) / (std(R, ddof) + eps)`. The advantage of token t of
     completion i is the return-to-go of the normalised step rewards that end at or after
     it: `A_i,t = Σ_{j : end_i,j ≥ t} r̃_i,j`, where `end_i,j` is the token index of the
     last token of step j. Tokens after the last step get 0; a completion without steps

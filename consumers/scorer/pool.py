@@ -18,6 +18,7 @@ import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkContext, ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, TypeVar, cast
@@ -42,29 +43,34 @@ def _serve(connection: Connection, preload: Sequence[str]) -> None:
     logging.getLogger("latex2sympy2_extended.math_normalization").addFilter(_DeprecationNoise())
     for module in preload:
         importlib.import_module(module)
-    connection.send(_READY)
-    while True:
-        try:
-            task = connection.recv()
-        except EOFError:
-            return
-        if task is None:
-            return
-        function, args = task
-        try:
-            reply: tuple[Any, ...] = (True, function(*args))
-        except Exception as exc:
-            # Exceptions travel as text: not every exception class survives unpickling.
-            reason = getattr(exc, "reason", "error")
-            reply = (False, reason if isinstance(reason, str) else "error",
-                     f"{type(exc).__name__}: {exc}")
-        try:
-            connection.send(reply)
-        except Exception as exc:
-            connection.send((False, "error", f"unpicklable result: {exc!r}"))
+    # A closed pipe means the parent gave up on this worker: exit quietly.
+    with contextlib.suppress(OSError, EOFError):
+        connection.send(_READY)
+        while (task := connection.recv()) is not None:
+            connection.send_bytes(_run_task(task))
 
 
-@dataclass
+def _run_task(task: tuple[Callable[..., Any], tuple[Any, ...]]) -> bytes:
+    """The pickled reply: `(True, result)` or `(False, reason, message)`."""
+    function, args = task
+    try:
+        return bytes(ForkingPickler.dumps((True, function(*args))))
+    except Exception as exc:
+        # Exceptions travel as text: not every exception class survives unpickling.
+        reason = getattr(exc, "reason", "error")
+        return bytes(ForkingPickler.dumps((False, reason if isinstance(reason, str) else "error",
+                                           f"{type(exc).__name__}: {exc}")))
+
+
+def _context(method: StartMethod) -> SpawnContext | ForkServerContext | ForkContext:
+    if method == "fork":
+        return multiprocessing.get_context("fork")
+    if method == "forkserver":
+        return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context("spawn")
+
+
+@dataclass(eq=False)
 class _Worker:
     process: BaseProcess
     connection: Connection
@@ -89,9 +95,9 @@ async def _wait_readable(connection: Connection) -> None:
 class WorkerPool:
     """`workers` processes started with `start_method`, each importing `preload` first.
 
-    Use as an async context manager; `run(function, *args, timeout=…)` calls
+    Use as an async context manager; `run(function, *args, timeout_s=…)` calls
     `function(*args)` in a free worker (both must be picklable), raising TimeoutError past
-    `timeout` seconds (the worker is then replaced) and `RewardError` when the function
+    `timeout_s` seconds (the worker is then replaced) and `RewardError` when the function
     raised (reason taken from the exception's `reason` attribute, else "error") or the
     worker died ("worker_died").
     """
@@ -99,12 +105,14 @@ class WorkerPool:
     def __init__(self, workers: int, *, start_method: StartMethod = "spawn",
                  preload: Sequence[str] = (), startup_timeout_s: float = 60.0) -> None:
         self._count = workers
-        self._context = multiprocessing.get_context(start_method)
+        self._context = _context(start_method)
         self._preload = tuple(preload)
         self._startup_timeout_s = startup_timeout_s
         self._idle: asyncio.Queue[_Worker] | None = None
         self._workers: set[_Worker] = set()
         self._revivals: set[asyncio.Task[None]] = set()
+        self._replaced = 0
+        self._revival_failure: BaseException | None = None
 
     async def __aenter__(self) -> WorkerPool:
         self._idle = asyncio.Queue()
@@ -117,9 +125,10 @@ class WorkerPool:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        for task in self._revivals:
+        revivals = list(self._revivals)
+        for task in revivals:
             task.cancel()
-        await asyncio.gather(*self._revivals, return_exceptions=True)
+        await asyncio.gather(*revivals, return_exceptions=True)
         self._stop_all()
 
     @property
@@ -127,19 +136,24 @@ class WorkerPool:
         """How many workers were killed and replaced so far (timeouts, cancels, deaths)."""
         return self._replaced
 
-    _replaced = 0
-
-    async def run(self, function: Callable[..., ResultT], *args: Any, timeout: float) -> ResultT:
+    async def run(
+        self, function: Callable[..., ResultT], *args: Any, timeout_s: float
+    ) -> ResultT:
         if self._idle is None:
             raise RuntimeError("WorkerPool is not open (use it as an async context manager)")
+        if self._revival_failure is not None:
+            raise RewardError("pool_broken", "a reward worker could not be restarted: "
+                              f"{self._revival_failure!r}")
         payload = bytes(ForkingPickler.dumps((function, args)))
         worker = await self._idle.get()
         healthy = False
         try:
             worker.connection.send_bytes(payload)
-            await asyncio.wait_for(_wait_readable(worker.connection), timeout)
+            await asyncio.wait_for(_wait_readable(worker.connection), timeout_s)
             reply = worker.connection.recv()
             healthy = True
+        except TimeoutError:
+            raise
         except (EOFError, OSError) as exc:
             raise RewardError("worker_died", f"reward worker died: {exc!r}") from exc
         finally:
@@ -147,9 +161,10 @@ class WorkerPool:
                 self._idle.put_nowait(worker)
             else:
                 self._retire(worker)
+                self._replaced += 1
                 task = asyncio.get_running_loop().create_task(self._start())
                 self._revivals.add(task)
-                task.add_done_callback(self._revivals.discard)
+                task.add_done_callback(self._revived)
         if reply[0]:
             return cast(ResultT, reply[1])
         raise RewardError(reply[1], reply[2])
@@ -166,15 +181,24 @@ class WorkerPool:
             await asyncio.wait_for(_wait_readable(parent_end), self._startup_timeout_s)
             if parent_end.recv() != _READY:
                 raise RuntimeError("reward worker sent something other than ready")
+        except EOFError:
+            self._retire(worker)
+            raise RuntimeError(f"a reward worker exited while starting (importing "
+                               f"{list(self._preload)}; see its stderr)") from None
         except BaseException:
             self._retire(worker)
             raise
         assert self._idle is not None
         self._idle.put_nowait(worker)
 
+    def _revived(self, task: asyncio.Task[None]) -> None:
+        self._revivals.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Surfaced by the next `run`, so the failure cannot vanish.
+            self._revival_failure = task.exception()
+
     def _retire(self, worker: _Worker) -> None:
         self._workers.discard(worker)
-        self._replaced += 1
         worker.process.kill()
         # SIGKILL makes the join immediate; it only reaps the zombie.
         worker.process.join(5.0)
@@ -188,4 +212,3 @@ class WorkerPool:
                 worker.connection.send(None)
             worker.process.join(1.0)
             self._retire(worker)
-        self._replaced = 0

@@ -18,10 +18,12 @@ Region = Literal["anywhere", "reasoning", "answer"]
 LengthUnit = Literal["chars", "tokens"]
 """`chars`: `len(text)` (plus the server-split reasoning); `tokens`: `len(completion_ids)`."""
 
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
+def _empty() -> Mapping[str, Any]:
+    return MappingProxyType({})
 
 
-@dataclass(frozen=True)
+# eq=False: numpy arrays have no boolean equality; samples compare by identity.
+@dataclass(frozen=True, eq=False)
 class Sample:
     """One completion of a group, as the reward components see it.
 
@@ -45,9 +47,9 @@ class Sample:
     completion_ids: NDArray[np.int32]
     trace: Trace
     finish_reason: str = "stop"
-    metadata: Mapping[str, Any] = field(default=_EMPTY)
+    metadata: Mapping[str, Any] = field(default_factory=_empty)
     prompt: str = ""
-    completion_metadata: Mapping[str, Any] = field(default=_EMPTY)
+    completion_metadata: Mapping[str, Any] = field(default_factory=_empty)
     token_offsets: NDArray[np.int64] | None = None
     correct: bool | None = None
 

@@ -85,6 +85,7 @@ class Accuracy(RewardComponent[AccuracySettings]):
     """
 
     settings_model = AccuracySettings
+    preload_modules = ("math_verify",)
 
     @property
     def placement(self) -> Placement:
@@ -117,15 +118,14 @@ class Accuracy(RewardComponent[AccuracySettings]):
 
     def _score_math(self, text: str, gold: str) -> float | None:
         # Imported here: math-verify pulls in sympy, which only pool workers need.
-        from latex2sympy2_extended import NormalizationConfig
-        from math_verify import LatexExtractionConfig, parse, verify
+        from math_verify import LatexExtractionConfig, LatexNormalizationConfig, parse, verify
 
         timeout = self.settings.parsing_timeout_s
         gold_parsed = parse(gold, extraction_mode="first_match", parsing_timeout=timeout)
         if len(gold_parsed) == 0:
             return _UNPARSEABLE[self.settings.on_unparseable_gold]
         extraction = LatexExtractionConfig(
-            normalization_config=NormalizationConfig(
+            normalization_config=LatexNormalizationConfig(
                 nits=False, malformed_operators=False, basic_latex=True,
                 equations=True, boxed="all", units=True,
             ),

@@ -59,11 +59,14 @@ class RewardComponent(Generic[SettingsT]):
       pool workers, to avoid pickling the whole group for every sample.
     - `needs_correctness` (default False): when True the bridge runs the correctness
       component first and sets `Sample.correct` before calling this one.
+    - `preload_modules`: modules a pool worker imports at start-up, before its first call
+      (e.g. `math_verify`), so the first call's timeout does not pay for the import.
     - `required_fields()`: metadata fields that must be present for the group to be
       scored at all (checked by the bridge before any component runs).
     """
 
     settings_model: ClassVar[type[ComponentSettings]] = ComponentSettings
+    preload_modules: ClassVar[tuple[str, ...]] = ()
     uses_group: ClassVar[bool] = False
     needs_correctness: ClassVar[bool] = False
 

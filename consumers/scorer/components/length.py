@@ -51,8 +51,8 @@ class SoftOverlongSettings(ComponentSettings):
 
 
 class SoftOverlong(RewardComponent[SoftOverlongSettings]):
-    """L = completion tokens: `L ≤ Lmax − C` → 0; `Lmax − C < L ≤ Lmax` → `(Lmax − C − L)/C`;
-    `L > Lmax` → −1."""
+    """L = completion tokens: `L ≤ Lmax - C` → 0; `Lmax - C < L ≤ Lmax` → `(Lmax - C - L)/C`;
+    `L > Lmax` → -1."""
 
     settings_model = SoftOverlongSettings
 
@@ -69,10 +69,10 @@ class SoftOverlong(RewardComponent[SoftOverlongSettings]):
 class CosineSettings(ComponentSettings):
     """Settings of `cosine` (Kimi 1.5 cosine-scaled length reward; open-r1 defaults).
 
-    - `min_wrong`, `max_wrong`: reward of a wrong answer at length 0 is `max_wrong`,
-      falling towards `min_wrong` at `max_len` (longer wrong answers are penalised less).
-    - `min_correct`, `max_correct`: reward of a correct answer at length 0 is
-      `max_correct`, falling to `min_correct` at `max_len`.
+    - `min_wrong`, `max_wrong`: a wrong answer of length 0 gets `min_wrong`, rising to
+      `max_wrong` at `max_len` (long wrong answers are penalised less: keep exploring).
+    - `min_correct`, `max_correct`: a correct answer of length 0 gets `max_correct`,
+      falling to `min_correct` at `max_len` (short correct answers are preferred).
     - `max_len`: the length at which the cosine reaches its end, in `unit`.
     - `unit`: `chars` (open-r1) or `tokens`.
     - `clamp`: clamp p = length/max_len to 1 (TRL) or not (open-r1, the default: past
@@ -91,7 +91,7 @@ class CosineSettings(ComponentSettings):
 
 
 class Cosine(RewardComponent[CosineSettings]):
-    """`lo + 0.5·(hi − lo)·(1 + cos(π·p))`; correct: lo, hi = min_correct, max_correct;
+    """`lo + 0.5·(hi - lo)·(1 + cos(π·p))`; correct: lo, hi = min_correct, max_correct;
     wrong: lo, hi = max_wrong, min_wrong."""
 
     settings_model = CosineSettings
@@ -123,7 +123,7 @@ class KimiLengthSettings(ComponentSettings):
 
 class KimiLength(RewardComponent[KimiLengthSettings]):
     """Over the completions in scope: max_len == min_len → 0 for all; else
-    λ = 0.5 − (L − minL)/(maxL − minL); correct → λ, wrong → min(0, λ); unknown
+    λ = 0.5 - (L - minL)/(maxL - minL); correct → λ, wrong → min(0, λ); unknown
     correctness → None."""
 
     settings_model = KimiLengthSettings

@@ -34,7 +34,7 @@ class RepetitionSettings(ComponentSettings):
 
 
 class Repetition(RewardComponent[RepetitionSettings]):
-    """Empty text or fewer units than n → 0; else `(1 − unique/total) · max_penalty`,
+    """Empty text or fewer units than n → 0; else `(1 - unique/total) · max_penalty`,
     over the completion's n-grams."""
 
     settings_model = RepetitionSettings

@@ -1,0 +1,61 @@
+"""Scoring: reasoning traces, reward components, the reward bridge and advantages.
+
+Pure scoring logic; the stream consumer lives in `consumers.scorer.consumer`.
+"""
+
+from consumers.scorer.advantages import (
+    AdvantageMethod,
+    broadcast_advantages,
+    compute_advantages,
+    compute_process_advantages,
+    is_zero_variance,
+)
+from consumers.scorer.bridge import ComponentFlag, GroupScore, RewardBridge
+from consumers.scorer.components import (
+    COMPONENTS,
+    ComponentSettings,
+    RewardComponent,
+    Score,
+    resolve_component,
+)
+from consumers.scorer.config import (
+    PRESETS,
+    AdvantageSettings,
+    ComponentEntry,
+    PoolSettings,
+    RewardConfig,
+    TraceSettings,
+)
+from consumers.scorer.errors import ConfigError, MissingFieldError, RewardError
+from consumers.scorer.pool import WorkerPool
+from consumers.scorer.sample import Sample
+from consumers.scorer.traces import Trace, extract_reasoning
+
+__all__ = [
+    "COMPONENTS",
+    "PRESETS",
+    "AdvantageMethod",
+    "AdvantageSettings",
+    "ComponentEntry",
+    "ComponentFlag",
+    "ComponentSettings",
+    "ConfigError",
+    "GroupScore",
+    "MissingFieldError",
+    "PoolSettings",
+    "RewardBridge",
+    "RewardComponent",
+    "RewardConfig",
+    "RewardError",
+    "Sample",
+    "Score",
+    "Trace",
+    "TraceSettings",
+    "WorkerPool",
+    "broadcast_advantages",
+    "compute_advantages",
+    "compute_process_advantages",
+    "extract_reasoning",
+    "is_zero_variance",
+    "resolve_component",
+]

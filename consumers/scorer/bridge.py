@@ -1,0 +1,327 @@
+"""The universal reward bridge: run the configured components over a group, combine their
+values into one reward per completion, and turn the rewards into advantages.
+
+Placement: cheap components run inline on the event loop; CPU-heavy ones (math-verify)
+run in a `WorkerPool` with a per-call timeout, so the loop never blocks on sympy; I/O
+components (a process reward model) are awaited with the same timeout. A component that
+raises or times out scores 0.0 with a flag (`on_error: zero`) or makes the whole group
+raise `RewardError` (`on_error: dead_letter`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import httpx
+import numpy as np
+from numpy.typing import NDArray
+
+from consumers.scorer.advantages import (
+    broadcast_advantages,
+    compute_advantages,
+    compute_process_advantages,
+    is_zero_variance,
+)
+from consumers.scorer.components import RewardComponent, Score
+from consumers.scorer.config import ComponentEntry, RewardConfig
+from consumers.scorer.errors import MissingFieldError, RewardError
+from consumers.scorer.pool import WorkerPool
+from consumers.scorer.sample import Sample
+from consumers.scorer.traces import extract_reasoning
+
+
+@dataclass(frozen=True)
+class ComponentFlag:
+    """A component call that failed and was scored by policy.
+
+    - `component`: the entry's name; `sample`: the completion's index in its group.
+    - `reason`: `timeout`, `error`, `non_finite`, `bad_token_rewards`, or the reason a
+      `RewardError` carried (e.g. `prm_error`, `worker_died`).
+    - `policy`: what was applied (`zero`); `detail`: the error text.
+    """
+
+    component: str
+    sample: int
+    reason: str
+    policy: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class GroupScore:
+    """The scores of one group.
+
+    - `rewards`: the combined reward per completion.
+    - `components`: raw value per completion, by component name (None = skipped).
+    - `weights`: weight by component name.
+    - `timings`: wall seconds spent per component (over the whole `score_batch` call).
+    - `flags`: failed calls scored by policy; `flag_counts()` tallies them.
+    - `token_rewards`: per completion, Σ weight · per-token rewards of the components
+      that produce them (float32, one per token); None when none does.
+    - `advantages`: per-completion advantages (float32), or None when dropped.
+    - `token_advantages`: per-token advantages (float32) per completion, or None when
+      dropped.
+    - `drop_reason`: why the group is dropped (`zero_variance`), else None.
+    """
+
+    rewards: list[float]
+    components: dict[str, list[float | None]]
+    weights: dict[str, float]
+    timings: dict[str, float]
+    flags: tuple[ComponentFlag, ...]
+    token_rewards: list[NDArray[np.float32]] | None
+    advantages: NDArray[np.float32] | None
+    token_advantages: list[NDArray[np.float32]] | None
+    drop_reason: str | None
+
+    def flag_counts(self) -> dict[str, int]:
+        """Count of flags by `"<component>:<reason>"`."""
+        return dict(Counter(f"{flag.component}:{flag.reason}" for flag in self.flags))
+
+
+@dataclass
+class _Outcome:
+    scores: list[list[Score]]  # [group][sample]
+    flags: list[list[ComponentFlag]]  # [group]
+    seconds: float = 0.0
+    fatal: RewardError | None = None
+
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+class RewardBridge:
+    """Scores groups with the components of a `RewardConfig`.
+
+    Use as an async context manager: it owns the process pool and the components' I/O
+    clients. `transport` is handed to components that open HTTP clients (for tests).
+    """
+
+    def __init__(self, config: RewardConfig, *,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self._transport = transport
+        self._components: list[tuple[ComponentEntry, RewardComponent[Any]]] = [
+            (entry, entry.build()) for entry in config.components]
+        self._pool: WorkerPool | None = None
+        self._opened: list[RewardComponent[Any]] = []
+
+    def _placement(self, entry: ComponentEntry, component: RewardComponent[Any]) -> str:
+        return entry.run_in or component.placement
+
+    async def __aenter__(self) -> RewardBridge:
+        pooled = [c for e, c in self._components if self._placement(e, c) == "process"]
+        try:
+            if pooled:
+                preload = sorted({module for c in pooled
+                                  for module in (type(c).__module__, *c.preload_modules)})
+                pool = WorkerPool(self.config.pool.workers,
+                                  start_method=self.config.pool.start_method, preload=preload)
+                await pool.__aenter__()
+                self._pool = pool
+            for _, component in self._components:
+                await component.open(transport=self._transport)
+                self._opened.append(component)
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        while self._opened:
+            await self._opened.pop().close()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.__aexit__(None, None, None)
+
+    def make_sample(
+        self, text: str, completion_ids: Sequence[int] | NDArray[np.int32], *,
+        reasoning: str | None = None, finish_reason: str = "stop",
+        metadata: Mapping[str, Any] = _EMPTY, prompt: str = "",
+        completion_metadata: Mapping[str, Any] = _EMPTY,
+    ) -> Sample:
+        """A `Sample` whose trace is extracted with the configured tags."""
+        tags = self.config.trace
+        trace = extract_reasoning(text, reasoning=reasoning, open_tag=tags.open_tag,
+                                  close_tag=tags.close_tag)
+        return Sample(text=text, completion_ids=np.asarray(completion_ids, dtype=np.int32),
+                      trace=trace, finish_reason=finish_reason, metadata=metadata,
+                      prompt=prompt, completion_metadata=completion_metadata)
+
+    async def score_group(self, samples: Sequence[Sample]) -> GroupScore:
+        """Score one group (see `score_batch`)."""
+        return (await self.score_batch([samples]))[0]
+
+    async def score_batch(self, groups: Sequence[Sequence[Sample]]) -> list[GroupScore]:
+        """Score several groups at once; components with `scope: batch` see all of them.
+
+        Raises `MissingFieldError` when a sample lacks a metadata field a component needs,
+        and `RewardError` when a component with `on_error: dead_letter` fails.
+        """
+        groups = [list(group) for group in groups]
+        self._check_fields(groups)
+        correctness = self.config.correctness_name()
+        first = [(e, c) for e, c in self._components if not c.needs_correctness]
+        second = [(e, c) for e, c in self._components if c.needs_correctness]
+        outcomes = dict(zip([e.name for e, _ in first], await asyncio.gather(
+            *(self._run(e, c, groups) for e, c in first)), strict=True))
+        if second and correctness is not None:
+            groups = [[dataclasses.replace(sample, correct=_is_correct(score))
+                       for sample, score in zip(group, scores, strict=True)]
+                      for group, scores in zip(groups, outcomes[correctness].scores, strict=True)]
+        outcomes |= dict(zip([e.name for e, _ in second], await asyncio.gather(
+            *(self._run(e, c, groups) for e, c in second)), strict=True))
+        for outcome in outcomes.values():
+            if outcome.fatal is not None:
+                raise outcome.fatal
+        outcomes = {entry.name: outcomes[entry.name] for entry, _ in self._components}
+        return [self._assemble(index, group, outcomes) for index, group in enumerate(groups)]
+
+    def _check_fields(self, groups: Sequence[Sequence[Sample]]) -> None:
+        for entry, component in self._components:
+            for field in component.required_fields():
+                for group in groups:
+                    for sample in group:
+                        if field not in sample.completion_metadata and field not in sample.metadata:
+                            raise MissingFieldError(field, component=entry.name)
+
+    async def _run(self, entry: ComponentEntry, component: RewardComponent[Any],
+                   groups: Sequence[Sequence[Sample]]) -> _Outcome:
+        outcome = _Outcome(scores=[], flags=[[] for _ in groups])
+        batch = [sample for group in groups for sample in group]
+        placement = self._placement(entry, component)
+        started = time.perf_counter()
+        for group_index, group in enumerate(groups):
+            population = batch if component.population == "batch" else group
+            if placement == "inline":
+                scores = []
+                for index, sample in enumerate(group):
+                    try:
+                        score = _checked(component.evaluate(sample, population),
+                                         len(sample.completion_ids))
+                    except Exception as exc:
+                        score = self._fail(entry, outcome, group_index, index, exc)
+                    scores.append(score)
+            else:
+                scores = list(await asyncio.gather(*(
+                    self._call(entry, component, placement, outcome, group_index, index,
+                               sample, population)
+                    for index, sample in enumerate(group))))
+            outcome.scores.append(scores)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    async def _call(self, entry: ComponentEntry, component: RewardComponent[Any],
+                    placement: str, outcome: _Outcome, group_index: int, index: int,
+                    sample: Sample, population: Sequence[Sample]) -> Score:
+        try:
+            if placement == "process":
+                assert self._pool is not None
+                shipped = population if component.uses_group else ()
+                score = await self._pool.run(component.evaluate, sample, shipped,
+                                             timeout_s=entry.timeout_s)
+            else:
+                score = await asyncio.wait_for(component.evaluate_async(sample, population),
+                                               entry.timeout_s)
+            return _checked(score, len(sample.completion_ids))
+        except Exception as exc:
+            return self._fail(entry, outcome, group_index, index, exc)
+
+    def _fail(self, entry: ComponentEntry, outcome: _Outcome, group_index: int, index: int,
+              exc: Exception) -> Score:
+        if isinstance(exc, TimeoutError):
+            reason, detail = "timeout", f"no result within {entry.timeout_s} s"
+        elif isinstance(exc, RewardError):
+            reason, detail = exc.reason, str(exc)
+        else:
+            reason, detail = "error", f"{type(exc).__name__}: {exc}"
+        if entry.on_error == "dead_letter" and outcome.fatal is None:
+            outcome.fatal = RewardError(
+                reason, f"component {entry.name!r} failed ({reason}): {detail}",
+                component=entry.name)
+        outcome.flags[group_index].append(
+            ComponentFlag(entry.name, index, reason, entry.on_error, detail))
+        return Score(0.0)
+
+    def _assemble(self, index: int, group: Sequence[Sample],
+                  outcomes: Mapping[str, _Outcome]) -> GroupScore:
+        weights = {entry.name: entry.weight for entry, _ in self._components}
+        values = {name: [score.value for score in outcome.scores[index]]
+                  for name, outcome in outcomes.items()}
+        rewards = [self._combine({name: column[position] for name, column in values.items()},
+                                 weights) for position in range(len(group))]
+        lengths = [len(sample.completion_ids) for sample in group]
+        token_rewards = _token_rewards(
+            [(weights[name], outcome.scores[index]) for name, outcome in outcomes.items()],
+            lengths)
+        settings = self.config.advantages
+        flags = tuple(flag for outcome in outcomes.values() for flag in outcome.flags[index])
+        score = GroupScore(
+            rewards=rewards, components=values, weights=weights,
+            timings={name: outcome.seconds for name, outcome in outcomes.items()},
+            flags=flags, token_rewards=token_rewards, advantages=None, token_advantages=None,
+            drop_reason="zero_variance")
+        if is_zero_variance(rewards, settings.variance_tolerance):
+            if settings.zero_variance == "drop":
+                return score
+            advantages = np.zeros(len(group), dtype=np.float32)
+        else:
+            advantages = compute_advantages(rewards, settings.method, settings.eps,
+                                            settings.ddof)
+        if settings.process_component is None:
+            token_advantages = broadcast_advantages(advantages, lengths)
+        else:
+            steps = outcomes[settings.process_component].scores[index]
+            empty_ends, empty_scores = np.zeros(0, np.int64), np.zeros(0, np.float32)
+            token_advantages = compute_process_advantages(
+                [s.step_ends if s.step_ends is not None else empty_ends for s in steps],
+                [s.step_scores if s.step_scores is not None else empty_scores for s in steps],
+                lengths, settings.eps, settings.ddof)
+        return dataclasses.replace(score, advantages=advantages,
+                                   token_advantages=token_advantages, drop_reason=None)
+
+    def _combine(self, values: Mapping[str, float | None], weights: Mapping[str, float]) -> float:
+        if self.config.combine == "roll_universal":
+            name = self.config.correctness_name()
+            correctness = values.get(name) if name is not None else None
+            if correctness is not None and correctness > 0:
+                return weights[str(name)] * correctness
+            return -1.0 + sum(weights[key] * value for key, value in values.items()
+                              if key != name and value is not None)
+        return sum((weights[key] * value for key, value in values.items() if value is not None),
+                   start=0.0)
+
+
+def _is_correct(score: Score) -> bool | None:
+    return None if score.value is None else score.value > 0
+
+
+def _checked(score: Score, length: int) -> Score:
+    if score.value is not None and not math.isfinite(score.value):
+        raise RewardError("non_finite", f"component returned {score.value!r}")
+    if score.token_rewards is not None and len(score.token_rewards) != length:
+        raise RewardError("bad_token_rewards", f"{len(score.token_rewards)} token rewards "
+                          f"for {length} tokens")
+    if score.value is not None:
+        return dataclasses.replace(score, value=float(score.value))
+    return score
+
+
+def _token_rewards(columns: Sequence[tuple[float, Sequence[Score]]],
+                   lengths: Sequence[int]) -> list[NDArray[np.float32]] | None:
+    if not any(score.token_rewards is not None for _, scores in columns for score in scores):
+        return None
+    totals = [np.zeros(length, dtype=np.float32) for length in lengths]
+    for weight, scores in columns:
+        for total, score in zip(totals, scores, strict=True):
+            if score.token_rewards is not None:
+                total += np.float32(weight) * score.token_rewards
+    return totals

@@ -1,0 +1,53 @@
+"""The trainer SDK: rollq's one library-style API (pinned by a test).
+
+Pull scored groups in batches, train, ack, checkpoint, publish weights::
+
+    async with TrainerClient(redis, run="gsm8k", consumer="rank0", settings=settings) as tc:
+        await tc.load_state(saved)                   # when resuming from a checkpoint
+        batch = await tc.next_batch(groups=8)        # or max_tokens=65_536
+        loss = step(batch.to_torch("cuda"))          # padded; batch.pack() for varlen
+        await batch.ack()                            # after the optimizer step
+        checkpoint(model, rollq=tc.state())
+        await tc.publish_policy(step, weights_dir)   # pause, reload, reset cache, resume
+
+``SyncTrainerClient`` offers the same calls to a plain loop. Array alignment is in
+``consumers.trainer.layout``; the resume design in ``consumers.trainer.client``.
+"""
+
+from consumers.trainer.batch import Batch, BatchData, EntryRef, SyncBatch
+from consumers.trainer.client import TRAINER_GROUP, TrainerClient
+from consumers.trainer.errors import ResumeError, WeightSyncError
+from consumers.trainer.layout import (
+    PackedBatch,
+    PaddedArrays,
+    Targets,
+    pack_groups,
+    pad_groups,
+)
+from consumers.trainer.settings import PauseMode, TrainerClientSettings
+from consumers.trainer.sizing import BatchSize
+from consumers.trainer.staleness import is_stale
+from consumers.trainer.sync import SyncTrainerClient
+from consumers.trainer.weights import PolicyPublisher
+
+__all__ = [
+    "TRAINER_GROUP",
+    "Batch",
+    "BatchData",
+    "BatchSize",
+    "EntryRef",
+    "PackedBatch",
+    "PaddedArrays",
+    "PauseMode",
+    "PolicyPublisher",
+    "ResumeError",
+    "SyncBatch",
+    "SyncTrainerClient",
+    "Targets",
+    "TrainerClient",
+    "TrainerClientSettings",
+    "WeightSyncError",
+    "is_stale",
+    "pack_groups",
+    "pad_groups",
+]

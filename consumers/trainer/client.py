@@ -1,0 +1,387 @@
+"""``TrainerClient``: pull scored groups in batches, ack after the step, resume exactly once.
+
+Delivery (DESIGN.md §3): the client reads every partition's ``scored`` stream in consumer
+group ``trainer``. On its first ``next_batch`` it takes back its own pending entries (same
+consumer name after a restart), then reclaims entries other trainers left idle longer than
+``reclaim_idle_ms``, then reads new ones. Entries stay pending until ``batch.ack()``.
+
+What happens to an entry before it reaches a batch:
+
+- undecodable / unknown schema version: dead-lettered with the reason (``drop:<reason>``);
+- its ``group_id`` is already in the client's hands or recorded as trained (a re-run of
+  a rollout job republished it): acked and counted ``drop:duplicate``; if the recorded
+  entry is this very entry (the crash fell between recording and acking), the ack is
+  completed and counted ``consumed``;
+- stale at batch time (``is_stale``): acked and counted ``drop:stale``.
+
+Resume design (checkpoint/resume neither skips nor repeats a group):
+
+- ``batch.ack()`` first records the batch in the run's seen-hash and in this consumer's
+  *trained log* (a Redis stream of ``group_id, stream, entry_id`` in ack order, one MULTI),
+  then acks with ``ack_counted(..., "consumed")``.
+- ``state()`` (take it after the ``ack`` of the last step in the checkpoint) is the id of
+  the last log entry plus the groups still to be replayed from an earlier resume. Batches
+  handed out but not acked are not in it: they are not trained, and stay pending.
+- ``load_state(state)`` re-delivers, before anything else, every group the state's log
+  holds after that id: groups acked after the checkpoint whose training was lost with the
+  crash. Their entries are fetched from the scored streams by id, so the scored streams
+  must keep acked entries at least one checkpoint interval (``retention`` when trimming);
+  a trimmed entry raises ResumeError instead of silently skipping. Unacked batches come
+  back through the pending list (own pending, or reclaim under another consumer name).
+- Replayed groups are not recorded twice and are never stale-checked (they were admitted
+  once); acking them counts ``consumed`` only for an entry still pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import structlog
+
+from consumers.bus import Delivery, ReaderSettings, StreamReader
+from consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
+from consumers.trainer.errors import ResumeError
+from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
+from consumers.trainer.settings import TrainerClientSettings
+from consumers.trainer.sizing import BatchSize
+from consumers.trainer.staleness import is_stale
+from consumers.trainer.weights import PolicyPublisher
+from schemas import DecodeError, ScoredGroup, decode_scored
+from schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
+
+log = structlog.get_logger("rollq.trainer")
+
+TRAINER_GROUP = "trainer"
+"""Consumer group of trainers on the scored streams."""
+STATE_FORMAT = 1
+_SEEN_CACHE = 100_000
+
+
+@dataclass(eq=False)
+class _Held:
+    delivery: Delivery
+    group: ScoredGroup
+    replay: bool
+
+    @property
+    def ref(self) -> tuple[str, str]:
+        return (self.delivery.stream, self.delivery.entry_id)
+
+
+class TrainerClient:
+    """Async trainer SDK client for one run; ``async with TrainerClient(...) as client``.
+
+    ``redis`` is owned by the caller (not closed here). ``consumer`` names this trainer in
+    the consumer group: keep it stable across restarts so pending entries come back to it,
+    and give each data-parallel reader its own. ``transport`` replaces the HTTP transport
+    of weight sync (tests pass an ``httpx.MockTransport``).
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        run: str,
+        consumer: str,
+        settings: TrainerClientSettings | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.redis = redis
+        self.run = check_run_name(run)
+        self.consumer = check_consumer_name(consumer)
+        self.settings = settings or TrainerClientSettings()
+        self.partitions = 0
+        self._ledger = Ledger(redis, run, consumer, self.settings.log_max_len)
+        self._publisher = PolicyPublisher(self.settings.inference_urls,
+                                          pause_mode=self.settings.pause_mode,
+                                          timeout_s=self.settings.http_timeout_s,
+                                          transport=transport)
+        self._reader: StreamReader | None = None
+        self._queue: deque[_Held] = deque()  # ready for a batch, in order
+        self._held: dict[tuple[str, str], _Held] = {}  # queued or in an unacked batch
+        self._held_groups: dict[str, tuple[str, str]] = {}
+        self._replays: dict[tuple[str, str], str] = {}  # replayed, not yet re-acked
+        self._seen: dict[str, str] = {}  # group_id -> ref, a cache of recent acks
+        self._version: int | None = None  # own published (or resumed) version
+        self._log_head = "0-0"
+        self._started = False
+        self._last_reclaim = 0.0
+        self._empty_reads = 0
+
+    async def __aenter__(self) -> TrainerClient:
+        self.partitions = await self._ledger.register(self.settings.partitions)
+        s = self.settings
+        self._reader = StreamReader(
+            self.redis, stream_keys(self.run, self.partitions, "scored"), TRAINER_GROUP,
+            self.consumer,
+            ReaderSettings(block_ms=s.block_ms, count=s.read_count,
+                           reclaim_idle_ms=s.reclaim_idle_ms, reclaim_every_s=s.reclaim_every_s,
+                           max_deliveries=s.max_deliveries),
+        )
+        await self._reader.ensure_groups()
+        self._log_head = await self._ledger.log_head()
+        await self._publisher.__aenter__()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, traceback: TracebackType | None) -> None:
+        """Close the HTTP client. Unacked entries stay pending for the next start."""
+        await self._publisher.__aexit__(exc_type, exc, traceback)
+
+    @property
+    def reader(self) -> StreamReader:
+        if self._reader is None:
+            raise RuntimeError("TrainerClient used outside `async with`")
+        return self._reader
+
+    # -- batches ---------------------------------------------------------------------------
+
+    async def next_batch(
+        self,
+        groups: int | None = None,
+        *,
+        sequences: int | None = None,
+        max_tokens: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Batch:
+        """The next batch of whole groups, waiting until it is full.
+
+        Size it by ``groups`` (exactly that many), ``sequences`` (whole groups while the
+        total stays <= the limit) or ``max_tokens`` (whole groups while prompt+completion
+        tokens stay <= the budget); limits combine, and a batch always holds at least one
+        group even if that group alone exceeds them. Without any, ``batch_groups`` groups.
+        ``timeout_s`` bounds the wait and returns what is there (possibly empty); None waits
+        for a full batch, 0 takes only what is available now.
+        """
+        size = BatchSize.of(groups, sequences, max_tokens, self.settings.batch_groups)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._started:
+            await self._start()
+        version = await self.current_version()
+        while True:
+            await self._drop_stale(version)
+            count, full = size.fit([(len(h.group.trajectory.completions), _tokens(h.group))
+                                    for h in self._queue])
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if full or (remaining is not None and remaining <= 0):
+                break
+            await self._fill(remaining)
+        chosen = [self._queue.popleft() for _ in range(count)]
+        return build_batch([h.group for h in chosen],
+                           [EntryRef(*h.ref) for h in chosen], self, self.settings.pad_token_id)
+
+    async def ack(self, batch: BatchData) -> int:
+        """Acknowledge a batch after its optimizer step (``batch.ack()`` calls this).
+
+        Returns how many entries were counted ``consumed`` by this call.
+        """
+        held = [self._held[ref] for e in batch.entries if (ref := (e.stream, e.entry_id))
+                in self._held]
+        fresh = [h for h in held if not h.replay]
+        head = await self._ledger.record(
+            [TrainedEntry(h.group.group_id, *h.ref) for h in fresh])
+        if head is not None:
+            self._log_head = head
+        counted = await self.reader.ack_counted([h.delivery for h in held], CONSUMED_COUNTER)
+        for h in held:
+            self._release(h)
+            self._replays.pop(h.ref, None)
+            self._remember(h.group.group_id, f"{h.ref[0]} {h.ref[1]}")
+        log.info("batch_acked", run=self.run, groups=len(held), consumed=counted)
+        return counted
+
+    async def current_version(self) -> int:
+        """The version staleness is measured against: this client's own published (or
+        resumed) version, else the run's ``policy_version``."""
+        if self._version is not None:
+            return self._version
+        return await self._ledger.policy_version()
+
+    # -- checkpoint / resume ---------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """JSON-serialisable resume state; save it with the checkpoint, after ``ack``."""
+        return {
+            "format": STATE_FORMAT,
+            "run": self.run,
+            "consumer": self.consumer,
+            "log_id": self._log_head,
+            "replay": [[stream, entry_id, group_id]
+                       for (stream, entry_id), group_id in self._replays.items()],
+            "policy_version": self._version,
+        }
+
+    async def load_state(self, state: dict[str, Any]) -> int:
+        """Resume from a checkpoint's ``state()``; call before the first ``next_batch``.
+
+        Queues, ahead of everything else, the groups trained after that checkpoint (their
+        training was lost). Returns how many groups will be replayed. Raises ResumeError
+        when the state is for another run, malformed, or its groups can no longer be found.
+        """
+        if self._started or self._held:
+            raise ResumeError("load_state must be called before the first next_batch")
+        try:
+            if state["format"] != STATE_FORMAT or state["run"] != self.run:
+                raise ResumeError(f"state is for run {state['run']!r} (format "
+                                  f"{state['format']}), this client is {self.run!r}")
+            consumer, log_id = str(state["consumer"]), str(state["log_id"])
+            pending = [TrainedEntry(str(g), str(s), str(i)) for s, i, g in state["replay"]]
+            version = state["policy_version"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ResumeError(f"malformed trainer state: {exc!r}") from exc
+        entries = pending + await self._ledger.log_since(check_consumer_name(consumer), log_id)
+        unique: list[TrainedEntry] = []
+        listed: set[str] = set()
+        for entry in entries:  # a group listed twice (a retried ack) is replayed once
+            if entry.group_id not in listed:
+                listed.add(entry.group_id)
+                unique.append(entry)
+        fetched = await self._ledger.fetch(unique)
+        missing = [e for e, f in zip(unique, fetched, strict=True) if f is None]
+        if missing:
+            raise ResumeError(
+                f"{len(missing)} of {len(unique)} groups to replay were trimmed from the scored "
+                f"streams (first: {missing[0].stream} {missing[0].entry_id}); keep the trim "
+                "retention longer than the checkpoint interval")
+        for entry, fields in zip(unique, fetched, strict=True):
+            assert fields is not None
+            try:
+                group = decode_scored(fields)
+            except DecodeError as exc:
+                raise ResumeError(f"entry {entry.entry_id} to replay: {exc}") from exc
+            held = _Held(Delivery(entry.stream, entry.entry_id, {}), group, replay=True)
+            self._hold(held)
+            self._replays[held.ref] = entry.group_id
+        self._version = None if version is None else int(version)
+        log.info("trainer_resumed", run=self.run, replay=len(unique), log_id=log_id)
+        return len(unique)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    async def publish_policy(self, step: int, weights_dir: str | os.PathLike[str]) -> int:
+        """Serve the weights in ``weights_dir`` as policy version ``step``.
+
+        Runs the reload sequence on every configured vLLM server (see
+        ``consumers.trainer.weights``), then raises the run's ``policy_version`` to ``step``
+        (never lowers it) so the feeder admits new work. If any server fails, raises
+        WeightSyncError and leaves the version as it was. Returns the version in force.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        await self._publisher.publish(step, os.fspath(weights_dir))
+        in_force = await self._ledger.raise_policy_version(step)
+        self._version = step
+        log.info("policy_published", run=self.run, step=step, in_force=in_force,
+                 servers=len(self._publisher.urls))
+        return in_force
+
+    # -- internals -------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        self._started = True
+        await self._admit(await self.reader.read_own_pending(count=100_000))
+        self._last_reclaim = time.monotonic()
+        await self._admit(await self.reader.reclaim())
+
+    async def _fill(self, remaining_s: float | None) -> None:
+        """One read: abandoned entries when due, else new ones (blocking, bounded)."""
+        s = self.settings
+        if time.monotonic() - self._last_reclaim >= s.reclaim_every_s:
+            self._last_reclaim = time.monotonic()
+            reclaimed = await self.reader.reclaim()
+            if reclaimed:
+                await self._admit(reclaimed)
+                return
+        block_ms = s.block_ms if remaining_s is None else min(s.block_ms, int(remaining_s * 1000))
+        started = time.monotonic()
+        deliveries = await self.reader.read(count=s.read_count, block_ms=block_ms)
+        if deliveries:
+            self._empty_reads = 0
+            await self._admit(deliveries)
+            return
+        self._empty_reads += 1
+        waited = time.monotonic() - started
+        if block_ms == 0 or waited < block_ms / 2000:  # no BLOCK (or fakeredis): back off
+            pause = min(1.0, 0.005 * 2**self._empty_reads)
+            if remaining_s is not None:
+                pause = min(pause, max(0.0, remaining_s - waited))
+            await asyncio.sleep(pause)
+
+    async def _admit(self, deliveries: list[Delivery]) -> None:
+        """Decode, dedup and queue deliveries."""
+        candidates: list[tuple[Delivery, ScoredGroup]] = []
+        for d in deliveries:
+            if (d.stream, d.entry_id) in self._held:
+                continue  # already ours (queued, replaying, or in an unacked batch)
+            try:
+                candidates.append((d, decode_scored(d.fields)))
+            except DecodeError as exc:
+                reason = _reason(exc)
+                await self.reader.dead_letter(d, reason, str(exc))
+                log.warning("entry_dead_lettered", stream=d.stream, entry_id=d.entry_id,
+                            reason=reason, detail=str(exc))
+        recorded = await self._ledger.seen(
+            [g.group_id for _, g in candidates if g.group_id not in self._seen])
+        duplicates: list[Delivery] = []
+        unfinished: list[Delivery] = []
+        for d, group in candidates:
+            ref = f"{d.stream} {d.entry_id}"
+            trained = self._seen.get(group.group_id) or recorded.get(group.group_id)
+            if trained == ref:
+                unfinished.append(d)
+            elif trained is not None or group.group_id in self._held_groups:
+                duplicates.append(d)
+            else:  # keep the decoded group, not the raw bytes
+                self._hold(_Held(replace(d, fields={}), group, replay=False))
+        if duplicates:
+            await self.reader.drop(duplicates, "duplicate")
+            log.info("groups_dropped", run=self.run, reason="duplicate", count=len(duplicates))
+        if unfinished:
+            await self.reader.ack_counted(unfinished, CONSUMED_COUNTER)
+
+    async def _drop_stale(self, version: int) -> None:
+        stale = [h for h in self._queue if not h.replay and is_stale(
+            h.group.policy_version, version, self.settings.max_staleness)]
+        if not stale:
+            return
+        self._queue = deque(h for h in self._queue if h not in stale)
+        for h in stale:
+            self._release(h)
+        await self.reader.drop([h.delivery for h in stale], "stale")
+        log.info("groups_dropped", run=self.run, reason="stale", count=len(stale),
+                 policy_version=version)
+
+    def _hold(self, held: _Held) -> None:
+        self._queue.append(held)
+        self._held[held.ref] = held
+        self._held_groups[held.group.group_id] = held.ref
+
+    def _release(self, held: _Held) -> None:
+        self._held.pop(held.ref, None)
+        if self._held_groups.get(held.group.group_id) == held.ref:
+            del self._held_groups[held.group.group_id]
+
+    def _remember(self, group_id: str, ref: str) -> None:
+        self._seen[group_id] = ref
+        if len(self._seen) > _SEEN_CACHE:
+            del self._seen[next(iter(self._seen))]
+
+
+def _reason(exc: Exception) -> str:
+    """The reason slug the pipeline stages use: DecodeError -> decode_error."""
+    name = type(exc).__name__
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def _tokens(group: ScoredGroup) -> int:
+    prompt = len(group.trajectory.prompt_ids)
+    return sum(prompt + len(c.completion_ids) for c in group.trajectory.completions)
+

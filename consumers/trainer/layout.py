@@ -1,0 +1,244 @@
+"""Scored groups -> training arrays: the padded and the packed layout, and causal targets.
+
+Every sequence is ``prompt_ids + completion_ids`` of one completion, and every per-token
+array is aligned to the TOKENS: index ``t`` describes token ``t`` itself. A causal LM
+predicts token ``t`` at position ``t - 1``, so the logprob of token ``t`` comes from
+``logits[t - 1]``. ``targets()`` does that shift for you: it returns the same-shaped arrays
+moved one place left, so ``targets().labels[t]`` is the token predicted by ``logits[t]``
+and the masks, advantages, sampler logprobs and versions beside it belong to that label.
+The last position of every sequence has no label; ``targets()`` gives it loss mask 0.
+
+Values by token kind (prompt | generated | env/tool inside the completion | padding):
+
+    loss_mask          0 | 1               | 0                     | 0
+    advantages         0 | token advantage | token advantage       | 0
+    sampler_logprobs   0 | sampler logprob | 0 (as stored)         | 0
+    versions          -1 | policy version  | policy version        | -1
+
+Multiply by ``loss_mask`` before reducing: it is the only authority on what is trainable.
+Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from schemas import ScoredGroup
+
+Int64Array = npt.NDArray[np.int64]
+Int32Array = npt.NDArray[np.int32]
+Float32Array = npt.NDArray[np.float32]
+
+NO_VERSION = -1
+"""``versions`` value of positions no policy generated (prompt, padding)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Targets:
+    """Per-token arrays shifted for a causal LM: position ``t`` holds what ``logits[t]``
+    predicts (token ``t + 1``). Same shape as the layout they came from."""
+
+    labels: Int64Array
+    """Token to score at each position (a valid id everywhere; meaningful where
+    ``loss_mask`` is 1)."""
+    loss_mask: Float32Array
+    advantages: Float32Array
+    sampler_logprobs: Float32Array
+    versions: Int32Array
+
+
+@dataclass(frozen=True, eq=False)
+class _PerSequence:
+    rewards: Float32Array
+    """[B] total reward of each sequence."""
+    sequence_advantages: Float32Array
+    """[B] sequence-level advantage (the per-token ones are in ``advantages``)."""
+    group_index: Int64Array
+    """[B] index of each sequence's group in the batch's ``groups``."""
+    prompt_lengths: Int64Array
+    """[B] prompt tokens of each sequence."""
+    lengths: Int64Array
+    """[B] tokens of each sequence, prompt + completion (without padding)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedArrays(_PerSequence):
+    """The padded layout: B sequences right-padded to T = the longest one."""
+
+    input_ids: Int64Array
+    """[B, T] prompt + completion token ids; padding holds ``pad_token_id``."""
+    attention_mask: Int64Array
+    """[B, T] 1 on real tokens, 0 on padding."""
+    position_ids: Int64Array
+    """[B, T] 0..length-1 on real tokens, 0 on padding."""
+    loss_mask: Float32Array
+    """[B, T] 1.0 only on tokens the model generated (trainable), else 0.0."""
+    advantages: Float32Array
+    """[B, T] per-token advantage of each token (``SequenceScore.token_advantages``)."""
+    sampler_logprobs: Float32Array
+    """[B, T] the sampler's logprob of each token (``Completion.logprobs``), natural log."""
+    versions: Int32Array
+    """[B, T] policy version that generated each token; -1 where none did."""
+
+    def targets(self) -> Targets:
+        """The arrays shifted one place left, aligned with ``logits`` (see module doc)."""
+        ends = np.arange(1, self.input_ids.shape[0] + 1) * self.input_ids.shape[1]
+        return _shift_all(self.input_ids, self.loss_mask, self.advantages,
+                          self.sampler_logprobs, self.versions, ends)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedBatch(_PerSequence):
+    """The packed layout: N = sum of lengths tokens back to back, no padding.
+
+    Sequence ``i`` occupies ``[cu_seqlens[i], cu_seqlens[i + 1])``; ``position_ids``
+    restart at 0 for each, which is what varlen flash-attention (and HF models given
+    ``position_ids`` with batch size 1) use to keep sequences apart.
+    """
+
+    input_ids: Int64Array
+    """[N] token ids of all sequences."""
+    position_ids: Int64Array
+    """[N] position of each token within its sequence."""
+    cu_seqlens: Int32Array
+    """[B + 1] cumulative sequence lengths, starting at 0 (int32, as flash-attn wants)."""
+    max_seqlen: int
+    """Length of the longest sequence."""
+    loss_mask: Float32Array
+    advantages: Float32Array
+    sampler_logprobs: Float32Array
+    versions: Int32Array
+
+    def targets(self) -> Targets:
+        """The arrays shifted one place left, aligned with ``logits`` (see module doc)."""
+        return _shift_all(self.input_ids, self.loss_mask, self.advantages,
+                          self.sampler_logprobs, self.versions, self.cu_seqlens[1:])
+
+    def to_torch(self, device: Any = None) -> dict[str, Any]:
+        """The arrays as torch tensors (on ``device`` if given); needs torch installed."""
+        return arrays_to_torch(array_fields(self), device)
+
+
+def _sequences(groups: Sequence[ScoredGroup]) -> tuple[list[list[np.ndarray[Any, Any]]],
+                                                         _PerSequence]:
+    rows: list[list[np.ndarray[Any, Any]]] = []
+    rewards, advantages, index, prompt_lengths = [], [], [], []
+    for g, group in enumerate(groups):
+        prompt = group.trajectory.prompt_ids
+        p = len(prompt)
+        for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
+            rows.append([
+                np.concatenate([prompt, completion.completion_ids]).astype(np.int64),
+                np.concatenate([np.zeros(p, np.float32), completion.loss_mask]),
+                np.concatenate([np.zeros(p, np.float32), score.token_advantages]),
+                np.concatenate([np.zeros(p, np.float32), completion.logprobs]),
+                np.concatenate([np.full(p, NO_VERSION, np.int32), completion.versions]),
+            ])
+            rewards.append(score.reward)
+            advantages.append(score.advantage)
+            index.append(g)
+            prompt_lengths.append(p)
+    per_sequence = _PerSequence(
+        rewards=np.asarray(rewards, np.float32),
+        sequence_advantages=np.asarray(advantages, np.float32),
+        group_index=np.asarray(index, np.int64),
+        prompt_lengths=np.asarray(prompt_lengths, np.int64),
+        lengths=np.asarray([len(row[0]) for row in rows], np.int64),
+    )
+    return rows, per_sequence
+
+
+_DTYPES = (np.int64, np.float32, np.float32, np.float32, np.int32)
+
+
+def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedArrays:
+    """Build the padded layout of ``groups``: their sequences in order, right-padded."""
+    rows, per_sequence = _sequences(groups)
+    b = len(rows)
+    t = int(per_sequence.lengths.max()) if b else 0
+    fills = (pad_token_id, 0.0, 0.0, 0.0, NO_VERSION)
+    out = [np.full((b, t), fill, dtype) for fill, dtype in zip(fills, _DTYPES, strict=True)]
+    attention = np.zeros((b, t), np.int64)
+    positions = np.zeros((b, t), np.int64)
+    for i, row in enumerate(rows):
+        n = len(row[0])
+        for target, values in zip(out, row, strict=True):
+            target[i, :n] = values
+        attention[i, :n] = 1
+        positions[i, :n] = np.arange(n)
+    return PaddedArrays(**_fields(per_sequence), input_ids=out[0], attention_mask=attention,
+                        position_ids=positions, loss_mask=out[1], advantages=out[2],
+                        sampler_logprobs=out[3], versions=out[4])
+
+
+def pack_groups(groups: Sequence[ScoredGroup]) -> PackedBatch:
+    """Build the packed layout of ``groups``: their sequences in order, back to back."""
+    rows, per_sequence = _sequences(groups)
+    lengths = per_sequence.lengths
+    flat = [
+        np.concatenate([row[k] for row in rows]).astype(dtype, copy=False) if rows
+        else np.zeros(0, dtype)
+        for k, dtype in enumerate(_DTYPES)
+    ]
+    cu_seqlens = np.zeros(len(rows) + 1, np.int32)
+    np.cumsum(lengths, out=cu_seqlens[1:], dtype=np.int32)
+    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
+    positions = np.arange(int(cu_seqlens[-1]), dtype=np.int64) - starts
+    return PackedBatch(**_fields(per_sequence), input_ids=flat[0], position_ids=positions,
+                       cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()) if len(rows) else 0,
+                       loss_mask=flat[1], advantages=flat[2], sampler_logprobs=flat[3],
+                       versions=flat[4])
+
+
+def _shift_all(ids: Int64Array, loss: Float32Array, advantages: Float32Array,
+               logprobs: Float32Array, versions: Int32Array, ends: Any) -> Targets:
+    """Shift each array one token left over its flattened view; the last position of each
+    sequence (``ends - 1`` in flat indices) gets the fill value."""
+    last = np.asarray(ends, np.int64) - 1
+
+    def shift(array: np.ndarray[Any, Any], fill: float) -> Any:
+        flat = array.reshape(-1)
+        out = np.empty_like(flat)
+        out[:-1] = flat[1:]
+        if flat.size:
+            out[last] = fill
+        return out.reshape(array.shape)
+
+    return Targets(labels=shift(ids, 0), loss_mask=shift(loss, 0.0),
+                   advantages=shift(advantages, 0.0), sampler_logprobs=shift(logprobs, 0.0),
+                   versions=shift(versions, NO_VERSION))
+
+
+def _fields(obj: _PerSequence) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(_PerSequence)}
+
+
+def array_fields(obj: Any) -> dict[str, Any]:
+    """The numpy arrays (and ints) of a layout dataclass, by field name."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+            if isinstance(getattr(obj, f.name), np.ndarray | int)}
+
+
+def arrays_to_torch(arrays: dict[str, Any], device: Any = None) -> dict[str, Any]:
+    """Convert numpy arrays to torch tensors (ints pass through); torch is imported lazily."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(
+            "to_torch() needs PyTorch, which is not installed; install torch "
+            "(e.g. `pip install 'rollq[train]'`) or use the numpy arrays directly"
+        ) from exc
+    out: dict[str, Any] = {}
+    for name, value in arrays.items():
+        if isinstance(value, np.ndarray):
+            tensor = torch.from_numpy(np.ascontiguousarray(value))
+            out[name] = tensor if device is None else tensor.to(device)
+        else:
+            out[name] = value
+    return out

@@ -1,0 +1,177 @@
+"""The trainer's own Redis state: the run registration, the policy version, the seen-hash
+and each consumer's trained log. Consumer-group verbs stay in ``consumers.bus``.
+
+    rollq:{<run>}:trainer:seen              hash: group_id -> "<stream> <entry id>" of the
+                                            entry that was trained (dedup across restarts)
+    rollq:{<run>}:trainer:log:<consumer>    stream: one entry per group this consumer
+                                            trained, in ack order (group_id, stream, id)
+
+Both live under the run's hash tag, so ``record`` updates them in one MULTI.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from consumers.bus import translated_errors
+from consumers.trainer.errors import ResumeError
+from schemas import Fields
+from schemas.keys import (
+    PARTITIONS_FIELD,
+    POLICY_VERSION_FIELD,
+    RUNS_KEY,
+    run_key,
+    state_key,
+)
+
+_CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
+
+# KEYS[1] state hash; ARGV[1] field, ARGV[2] new version. Raises the version, never lowers
+# it; returns the version in force afterwards.
+_RAISE_VERSION = """
+local current = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '-1')
+local step = tonumber(ARGV[2])
+if step > current then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return step
+end
+return current
+"""
+
+
+def check_consumer_name(consumer: str) -> str:
+    """Return ``consumer`` unchanged, or raise ValueError (it becomes part of a key name)."""
+    if not _CONSUMER_NAME.match(consumer):
+        raise ValueError(f"consumer name {consumer!r} is invalid: use 1-128 characters "
+                         "from A-Z a-z 0-9 _ . : @ -")
+    return consumer
+
+
+@dataclass(frozen=True)
+class TrainedEntry:
+    """One group a consumer trained on: its id and the scored entry it came from."""
+
+    group_id: str
+    stream: str
+    entry_id: str
+
+    @property
+    def ref(self) -> str:
+        return f"{self.stream} {self.entry_id}"
+
+
+class Ledger:
+    """Reads and writes the trainer's run-wide state for one consumer."""
+
+    def __init__(self, redis: aioredis.Redis, run: str, consumer: str, log_max_len: int) -> None:
+        self.redis = redis
+        self.run = run
+        self.consumer = consumer
+        self.log_max_len = log_max_len
+        self.seen_key = run_key(run, "trainer:seen")
+        self._raise_version = redis.register_script(_RAISE_VERSION)
+
+    def log_key(self, consumer: str | None = None) -> str:
+        return run_key(self.run, f"trainer:log:{consumer or self.consumer}")
+
+    async def register(self, partitions: int) -> int:
+        """Record the run if new (first writer wins); return its partition count."""
+        async with translated_errors("registering the run"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.sadd(RUNS_KEY, self.run)
+            pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, str(partitions))
+            pipe.hsetnx(state_key(self.run), "created_at", str(time.time()))
+            pipe.hget(state_key(self.run), PARTITIONS_FIELD)
+            *_, stored = await pipe.execute()
+        return int(stored)
+
+    async def policy_version(self) -> int:
+        """The run's published policy version (0 before the first publish)."""
+        async with translated_errors("reading the policy version"):
+            value = await self.redis.hget(state_key(self.run), POLICY_VERSION_FIELD)
+        return int(value) if value is not None else 0
+
+    async def raise_policy_version(self, step: int) -> int:
+        """Set the run's policy version to ``step`` unless it is already higher; returns the
+        version in force."""
+        async with translated_errors("publishing the policy version"):
+            result = await self._raise_version(
+                keys=[state_key(self.run)], args=[POLICY_VERSION_FIELD, step]
+            )
+        return int(result)
+
+    async def seen(self, group_ids: Sequence[str]) -> dict[str, str]:
+        """Which of ``group_ids`` were trained already: group id -> ``ref`` of that entry."""
+        if not group_ids:
+            return {}
+        async with translated_errors("checking seen groups"):
+            values = await self.redis.hmget(self.seen_key, list(group_ids))
+        return {g: _text(v) for g, v in zip(group_ids, values, strict=True) if v is not None}
+
+    async def record(self, entries: Sequence[TrainedEntry]) -> str | None:
+        """Mark ``entries`` trained (seen-hash) and append them to this consumer's log, in
+        one transaction; returns the last log entry id."""
+        if not entries:
+            return None
+        async with translated_errors("recording trained groups"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self.seen_key, mapping={e.group_id: e.ref for e in entries})
+            for entry in entries:
+                pipe.xadd(self.log_key(), {"group_id": entry.group_id, "stream": entry.stream,
+                                           "entry_id": entry.entry_id},
+                          maxlen=self.log_max_len, approximate=True)
+            replies = await pipe.execute()
+        return _text(replies[-1])
+
+    async def log_head(self) -> str:
+        """Id of the last entry of this consumer's log, ``0-0`` when empty."""
+        async with translated_errors("reading the trained log"):
+            last = await self.redis.xrevrange(self.log_key(), count=1)
+        return _text(last[0][0]) if last else "0-0"
+
+    async def log_since(self, consumer: str, after: str) -> list[TrainedEntry]:
+        """Entries of ``consumer``'s log after id ``after``, oldest first.
+
+        Raises ResumeError when the log no longer holds ``after`` itself: entries after it
+        may have been trimmed, and replaying only some of them would skip groups.
+        """
+        key = self.log_key(consumer)
+        found: list[TrainedEntry] = []
+        async with translated_errors("reading the trained log"):
+            if after != "0-0" and not await self.redis.xrange(key, min=after, max=after):
+                raise ResumeError(
+                    f"trained log {key} no longer holds checkpoint position {after}: it was "
+                    "trimmed or deleted (raise log_max_len above the groups trained between "
+                    "checkpoints)"
+                )
+            start = after
+            while True:
+                page = await self.redis.xrange(key, min=start, count=1000)
+                page = [(i, f) for i, f in page if _text(i) != start or start == "0-0"]
+                if not page:
+                    return found
+                for _, fields in page:
+                    found.append(TrainedEntry(_text(fields[b"group_id"]),
+                                              _text(fields[b"stream"]),
+                                              _text(fields[b"entry_id"])))
+                start = _text(page[-1][0])
+
+    async def fetch(self, entries: Sequence[TrainedEntry]) -> list[Fields | None]:
+        """The scored-stream fields of each entry, None where it was trimmed away."""
+        if not entries:
+            return []
+        async with translated_errors("fetching entries to replay"):
+            pipe = self.redis.pipeline(transaction=False)
+            for entry in entries:
+                pipe.xrange(entry.stream, min=entry.entry_id, max=entry.entry_id, count=1)
+            replies = await pipe.execute()
+        return [dict(reply[0][1]) if reply else None for reply in replies]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

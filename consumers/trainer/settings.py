@@ -1,0 +1,57 @@
+"""Settings of one trainer client: a frozen dataclass, built by the caller (``ops`` maps
+``TrainerSettings`` onto it; a plain training script constructs it directly)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+PauseMode = Literal["keep", "wait", "abort"]
+
+
+@dataclass(frozen=True)
+class TrainerClientSettings:
+    """How a trainer reads scored groups and publishes weights. Every field has a default."""
+
+    batch_groups: int = 8
+    """Groups per batch when ``next_batch`` is called without a size."""
+    max_staleness: int | None = 1
+    """Groups whose ``policy_version`` is below ``current - max_staleness`` are dropped as
+    ``drop:stale`` at consume time; None disables the check."""
+    inference_urls: tuple[str, ...] = ()
+    """vLLM base URLs (``http://host:port``) that ``publish_policy`` updates."""
+    pause_mode: PauseMode = "keep"
+    """How vLLM pauses for a reload: ``keep`` freezes in-flight requests and finishes them
+    with the new weights, ``wait`` lets them finish first, ``abort`` truncates them."""
+    http_timeout_s: float = 300.0
+    """Timeout of each weight-sync HTTP call (seconds); ``wait`` pauses can take long."""
+    block_ms: int = 1000
+    """Longest single blocking read (milliseconds); ``next_batch`` loops until it has
+    enough groups or its ``timeout_s`` passes."""
+    read_count: int = 64
+    """Most entries taken per read."""
+    reclaim_idle_ms: int = 600_000
+    """Entries another trainer left pending this long (milliseconds) are taken over. Keep it
+    well above the longest training step: a batch stays pending until ``ack``."""
+    reclaim_every_s: float = 30.0
+    """How often the client looks for abandoned entries (seconds)."""
+    max_deliveries: int = 5
+    """Deliveries after which a reclaimed entry is dead-lettered instead of trained on."""
+    pad_token_id: int = 0
+    """Token id written into padding positions of the padded layout."""
+    partitions: int = 1
+    """Partition count to register when the run does not exist yet (the stored count wins)."""
+    log_max_len: int = 1_000_000
+    """Entries kept in each consumer's trained log (approximate cap). Must exceed the groups
+    trained between two checkpoints, or resuming from the older one fails loudly."""
+
+    def __post_init__(self) -> None:
+        positive = ("batch_groups", "read_count", "reclaim_idle_ms", "max_deliveries",
+                    "partitions", "log_max_len")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.block_ms < 0 or self.http_timeout_s <= 0 or self.reclaim_every_s < 0:
+            raise ValueError("block_ms and reclaim_every_s must be >= 0, http_timeout_s > 0")

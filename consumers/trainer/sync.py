@@ -1,0 +1,136 @@
+"""``SyncTrainerClient``: the trainer SDK for plain (non-async) training loops.
+
+It runs a private event loop in a daemon thread and forwards each call to a
+``TrainerClient`` on that loop, so it works from scripts and from notebooks that already
+run a loop. Every method blocks until the async call finishes and re-raises its errors.
+
+    with SyncTrainerClient("redis://127.0.0.1:6379/0", run="gsm8k", consumer="rank0") as tc:
+        tc.load_state(checkpoint["rollq"])          # when resuming
+        for step in range(start, steps):
+            batch = tc.next_batch(groups=8)
+            train_step(batch.to_torch("cuda"))
+            batch.ack()
+            if step % 100 == 0:
+                save(model, rollq=tc.state())
+                tc.publish_policy(step, weights_dir)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+import redis.asyncio as aioredis
+
+from consumers.trainer.batch import BatchData, SyncBatch
+from consumers.trainer.client import TrainerClient
+from consumers.trainer.settings import TrainerClientSettings
+
+T = TypeVar("T")
+
+
+class SyncTrainerClient:
+    """Blocking facade over ``TrainerClient``; use as a context manager or call ``close``.
+
+    ``redis`` is a ``redis://`` URL (a client is made and closed here) or an asyncio client
+    owned by the caller that has not been used on another event loop: asyncio clients are
+    bound to the loop they first ran on, and this facade runs its own. Nothing starts until
+    ``__enter__`` (or ``open``).
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis | str,
+        *,
+        run: str,
+        consumer: str,
+        settings: TrainerClientSettings | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._owns_redis = isinstance(redis, str)
+        self._redis = aioredis.Redis.from_url(redis) if isinstance(redis, str) else redis
+        self.client = TrainerClient(self._redis, run=run, consumer=consumer,
+                                    settings=settings, transport=transport)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> SyncTrainerClient:
+        """Start the background loop and open the client."""
+        if self._loop is not None:
+            return self
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever,
+                                        name="rollq-trainer", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self.client.__aenter__())
+        except BaseException:
+            self._stop_loop()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Close the client (unacked entries stay pending) and stop the loop; idempotent."""
+        if self._loop is None:
+            return
+        try:
+            self._call(self.client.__aexit__(None, None, None))
+            if self._owns_redis:
+                self._call(self._redis.aclose())
+        finally:
+            self._stop_loop()
+
+    def __enter__(self) -> SyncTrainerClient:
+        return self.open()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def next_batch(self, groups: int | None = None, *, sequences: int | None = None,
+                   max_tokens: int | None = None, timeout_s: float | None = None) -> SyncBatch:
+        """Blocking ``TrainerClient.next_batch``; the batch's ``ack()`` blocks too."""
+        batch = self._call(self.client.next_batch(groups, sequences=sequences,
+                                                  max_tokens=max_tokens, timeout_s=timeout_s))
+        return SyncBatch(**batch.data(), acker=self)
+
+    def ack(self, batch: BatchData) -> int:
+        """Blocking ``TrainerClient.ack``."""
+        return self._call(self.client.ack(batch))
+
+    def state(self) -> dict[str, Any]:
+        """``TrainerClient.state``."""
+        return self.client.state()
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        """Blocking ``TrainerClient.load_state``."""
+        return self._call(self.client.load_state(state))
+
+    def publish_policy(self, step: int, weights_dir: str | os.PathLike[str]) -> int:
+        """Blocking ``TrainerClient.publish_policy``."""
+        return self._call(self.client.publish_policy(step, weights_dir))
+
+    def current_version(self) -> int:
+        """Blocking ``TrainerClient.current_version``."""
+        return self._call(self.client.current_version())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("SyncTrainerClient used before open() / `with`")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        self._loop = self._thread = None
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join()
+        loop.close()

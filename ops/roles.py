@@ -1,0 +1,202 @@
+"""Wiring of the long-running roles: scorer, worker pool, feeder, rescore.
+
+Each ``run_*`` coroutine owns its clients, runs until its ``stop`` event is set (by
+SIGINT/SIGTERM at the CLI edge) or its work is done, and closes everything on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import structlog
+from producers.envs.registry import make_env
+
+from consumers.bus import ReaderSettings, StreamReader, append_entries, read_range
+from consumers.scorer.bridge import RewardBridge
+from consumers.scorer.config import RewardConfig
+from consumers.scorer.consumer import Scorer, config_fingerprint
+from consumers.stage import Stage
+from ops.settings import FeederSettings, ReaderTuning, ScorerSettings, WorkerSettings
+from producers.envs.base import Env
+from producers.feeder import Feeder, FeedPlan
+from producers.inference import SamplingParams
+from producers.publisher import Publisher
+from producers.worker import build_worker, connect_queue, enqueue_rollout
+from schemas import DecodeError, decode_trajectory, encode
+from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
+
+log = structlog.get_logger("rollq.roles")
+
+DEFAULT_REWARD = {
+    "components": [
+        {"name": "accuracy", "component": "accuracy",
+         "settings": {"kind": "gsm8k", "gold_field": "answer"}},
+        {"name": "format", "component": "format", "weight": 0.2,
+         "settings": {"preset": "think"}},
+    ],
+    "advantages": {"method": "grpo", "zero_variance": "drop"},
+}
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM: stop reading, finish the batch in hand, exit."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def consumer_name(settings: ReaderTuning, role: str) -> str:
+    return settings.consumer or f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
+def load_reward_config(path: Path | None, *, processes: int | None = None) -> RewardConfig:
+    """The reward config from YAML, or the default gsm8k accuracy + think-format bridge."""
+    config = RewardConfig.from_yaml(path) if path else RewardConfig.from_mapping(DEFAULT_REWARD)
+    if processes is not None:
+        config = config.model_copy(update={"pool": config.pool.model_copy(
+            update={"workers": processes})})
+    return config
+
+
+async def _partitions(redis: aioredis.Redis, run: str, default: int) -> int:
+    raw = await redis.hget(state_key(run), PARTITIONS_FIELD)
+    if raw is None:  # first role to touch the run registers it
+        return await Publisher(redis, run, default).register()
+    return int(raw)
+
+
+def reader_settings(settings: ReaderTuning, count: int) -> ReaderSettings:
+    return ReaderSettings(block_ms=settings.block_ms, count=count,
+                          reclaim_idle_ms=int(settings.reclaim_idle_s * 1000),
+                          max_deliveries=settings.max_deliveries)
+
+
+async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bool = False,
+                     trim_every_s: float = 30.0) -> Stage:
+    """Score the run's traj streams until ``stop`` (or, with ``burst``, until empty)."""
+    config = load_reward_config(settings.reward_config, processes=settings.processes)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    try:
+        partitions = await _partitions(redis, settings.run, settings.partitions)
+        reader = StreamReader(redis, stream_keys(settings.run, partitions, "traj"), "scorers",
+                              consumer_name(settings, "scorer"),
+                              reader_settings(settings, settings.concurrency))
+        async with RewardBridge(config) as bridge:
+            scorer = Scorer(bridge, config_fingerprint(config), redis)
+            stage = Stage(reader, scorer, concurrency=settings.concurrency)
+            log.info("scorer_started", run=settings.run, consumer=reader.consumer,
+                     reward_config=scorer.config_name)
+            if burst:
+                await stage.drain()
+                return stage
+            await reader.ensure_groups()
+            trimmed_at = time.monotonic()
+            while not stop.is_set():
+                deliveries = await reader.next_deliveries()
+                if deliveries:
+                    await stage.process(deliveries)
+                if time.monotonic() - trimmed_at > trim_every_s:
+                    trimmed_at = time.monotonic()
+                    await reader.trim(retention_ms=int(settings.retention_s * 1000))
+            log.info("scorer_stopped", forwarded=stage.forwarded, dropped=stage.dropped,
+                     dead_lettered=stage.dead_lettered)
+            return stage
+    finally:
+        await redis.aclose()
+
+
+async def rescore(settings: ScorerSettings, into: str, *, progress: Callable[[str], None],
+                  batch: int = 64) -> tuple[int, int]:
+    """Replay the run's stored traj entries through ``settings.reward_config`` into the
+    scored stream of run ``into``. Returns (scored, dropped)."""
+    config = load_reward_config(settings.reward_config, processes=settings.processes)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    scored = dropped = seen = 0
+    try:
+        partitions = await _partitions(redis, settings.run, settings.partitions)
+        await Publisher(redis, into, partitions).register()
+        total = sum([await redis.xlen(k) for k in stream_keys(settings.run, partitions, "traj")])
+        async with RewardBridge(config) as bridge:
+            scorer = Scorer(bridge, config_fingerprint(config))
+            for source, target in zip(stream_keys(settings.run, partitions, "traj"),
+                                      stream_keys(into, partitions, "scored"), strict=True):
+                async for entries in read_range(redis, source, batch):
+                    out = []
+                    for _, fields in entries:
+                        seen += 1
+                        try:
+                            group = decode_trajectory(fields)
+                        except DecodeError:
+                            dropped += 1
+                            continue
+                        result = await scorer.score(group.model_copy(update={"run": into}))
+                        if isinstance(result, str):
+                            dropped += 1
+                        else:
+                            out.append(encode(result))
+                    scored += await append_entries(redis, target, out)
+                    progress(f"rescored {seen}/{total} groups: {scored} scored, "
+                             f"{dropped} dropped")
+        return scored, dropped
+    finally:
+        await redis.aclose()
+
+
+def env_factory(name: str, options: dict[str, object]) -> Callable[[], Env]:
+    make_env(name, **options)  # fail at start-up, with the choices, on a bad name
+    return lambda: make_env(name, **options)
+
+
+async def run_workers(settings: WorkerSettings, *, burst: bool = False,
+                      transport: object = None) -> None:
+    """Run an arq worker pool for the run's rollout jobs."""
+    sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                              max_tokens=settings.max_tokens)
+    worker = build_worker(
+        redis_url=settings.redis_url, run=settings.run,
+        env_factory=env_factory(settings.env, settings.env_options),
+        inference_urls=settings.inference, model=settings.model or None, sampling=sampling,
+        group_size=settings.group_size, concurrency=settings.concurrency,
+        job_timeout_s=settings.job_timeout_s, max_tries=settings.max_tries,
+        request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
+        burst=burst, transport=transport,
+    )
+    try:
+        await worker.main()
+    finally:
+        await worker.close()
+
+
+async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
+    """Admit rollout jobs until every epoch is admitted or ``stop`` is set."""
+    env = make_env(settings.env, **settings.env_options)
+    redis = aioredis.Redis.from_url(settings.redis_url)
+    queue = await connect_queue(settings.redis_url)
+    try:
+        await _partitions(redis, settings.run, settings.partitions)
+        plan = FeedPlan(dataset_size=len(env), epochs=settings.epochs,
+                        max_staleness=settings.max_staleness, batch_groups=settings.batch_groups)
+
+        async def enqueue(position: int) -> bool:
+            return await enqueue_rollout(queue, settings.run, env.name, position)
+
+        log.info("feeder_started", run=settings.run, env=env.name, items=len(env),
+                 epochs=settings.epochs)
+        await Feeder(redis, settings.run, plan, enqueue).run_until(stop, settings.poll_s)
+    finally:
+        await queue.aclose()
+        await redis.aclose()
+
+
+def print_progress(line: str) -> None:
+    print(f"\r{line}", end="", file=sys.stderr, flush=True)

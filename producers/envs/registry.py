@@ -1,0 +1,100 @@
+"""``make_env(name, **options)``: envs by name for the CLI.
+
+Built-in names:
+
+- ``gsm8k``: GSM8K-style dataset env; ``source`` defaults to the shipped sample
+  (``producers/data/gsm8k_sample.jsonl``, 200 arithmetic word problems).
+- ``math``: MATH-style dataset env; ``source`` is required.
+- ``guess``: the number-guessing game (``producers.envs.guess``) as an ``EpisodeEnv``.
+
+Dataset envs take ``source``, ``split``, ``subset``, ``data_files``, ``mode`` (``chat`` or
+``completion``), ``template``, ``system_prompt``. ``guess`` takes ``low``, ``high``,
+``max_guesses``, ``size``, ``first_seed``, ``max_turns``, ``max_completion_tokens``,
+``system_prompt``.
+
+Any other name of the form ``package.module:attribute`` is imported: an ``Env`` instance
+is returned as is; a callable (class or factory) is called with the options.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from producers.envs.base import Env
+from producers.envs.dataset import PromptStyle, gsm8k_env, math_env
+from producers.envs.guess import GuessGame
+from producers.envs.multiturn import EpisodeEnv, EpisodeRunner
+from schemas import ConfigError
+
+_STYLE_OPTIONS = ("mode", "template", "system_prompt")
+
+
+def sample_path() -> str:
+    """Path of the shipped GSM8K-format sample file."""
+    return str(resources.files("producers.data").joinpath("gsm8k_sample.jsonl"))
+
+
+def _dataset(build: Callable[..., Env], default_source: str | None) -> Callable[..., Env]:
+    def make(**options: Any) -> Env:
+        style = PromptStyle(**{key: options.pop(key) for key in _STYLE_OPTIONS if key in options})
+        source = options.pop("source", default_source)
+        if source is None:
+            raise ConfigError("this env needs a 'source' option (a file or dataset name)")
+        return build(source, style=style, **options)
+
+    return make
+
+
+def _guess(*, low: int = 1, high: int = 16, max_guesses: int = 6, size: int = 1000,
+           first_seed: int = 0, max_turns: int | None = None,
+           max_completion_tokens: int | None = None, system_prompt: str | None = None) -> Env:
+    runner = EpisodeRunner(system_prompt=system_prompt, max_turns=max_turns or max_guesses,
+                           max_completion_tokens=max_completion_tokens)
+    return EpisodeEnv(name="guess", make_env=lambda: GuessGame(low, high, max_guesses),
+                      size=size, first_seed=first_seed, runner=runner)
+
+
+BUILTIN: dict[str, Callable[..., Env]] = {
+    "gsm8k": _dataset(gsm8k_env, None),
+    "math": _dataset(math_env, None),
+    "guess": _guess,
+}
+
+
+def make_env(name: str, **options: Any) -> Env:
+    """The env called ``name`` (built-in or ``module:attribute``), built with ``options``.
+
+    Raises ``ConfigError`` for an unknown name, a failed import, or bad options.
+    """
+    if name == "gsm8k":
+        options.setdefault("source", sample_path())
+    if name in BUILTIN:
+        factory: Any = BUILTIN[name]
+    elif ":" in name:
+        factory = _import(name)
+    else:
+        raise ConfigError(f"unknown env {name!r}; choose one of {sorted(BUILTIN)} or give "
+                          "a 'package.module:attribute' path")
+    if isinstance(factory, Env) and not callable(factory):
+        if options:
+            raise ConfigError(f"env {name!r} is an instance and takes no options")
+        return factory
+    try:
+        env = factory(**options)
+    except TypeError as exc:
+        raise ConfigError(f"bad options for env {name!r}: {exc}") from exc
+    if not isinstance(env, Env):
+        raise ConfigError(f"{name!r} did not produce an Env (got {type(env).__name__})")
+    return env
+
+
+def _import(path: str) -> Any:
+    module_name, _, attribute = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        return getattr(module, attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot load env {path!r}: {exc}") from exc

@@ -1,0 +1,34 @@
+"""Async client of vLLM's OpenAI-compatible API: one server (``InferenceServer``) and a
+balanced, health-checked, pause-aware pool of them (``InferencePool``).
+
+Token ids and logprobs always come from the server (``return_token_ids``, ``logprobs``);
+nothing is re-tokenised or recomputed client side.
+"""
+
+from producers.inference.errors import (
+    GenerationAborted,
+    InferenceRequestError,
+    InferenceResponseError,
+    PauseTimeout,
+    PromptTooLongError,
+    ServerUnreachable,
+)
+from producers.inference.params import Backoff, ModelInfo, Sample, SamplingParams
+from producers.inference.pool import InferencePool
+from producers.inference.server import InferenceServer, Message
+
+__all__ = [
+    "Backoff",
+    "GenerationAborted",
+    "InferencePool",
+    "InferenceRequestError",
+    "InferenceResponseError",
+    "InferenceServer",
+    "Message",
+    "ModelInfo",
+    "PauseTimeout",
+    "PromptTooLongError",
+    "Sample",
+    "SamplingParams",
+    "ServerUnreachable",
+]

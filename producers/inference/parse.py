@@ -1,0 +1,123 @@
+"""Parse vLLM's OpenAI-compatible response bodies into ``Sample`` values.
+
+Shapes are those of vLLM 0.32 (see ``tests/fixtures/vllm``):
+
+- ``/v1/completions``: per choice ``token_ids``, ``prompt_token_ids`` and
+  ``logprobs.token_logprobs`` (one float per generated token). With
+  ``return_tokens_as_token_ids`` the ``logprobs.tokens`` are ``"token_id:N"`` strings; they
+  are checked against ``token_ids`` when present.
+- ``/v1/chat/completions``: per choice ``token_ids`` and ``logprobs.content[i].logprob``;
+  ``prompt_token_ids`` sits at the top level; ``message.reasoning`` (or the older
+  ``reasoning_content``) holds the reasoning parser's split.
+- Errors: ``{"error": {"message", "type", "param", "code"}}``, or FastAPI's
+  ``{"detail": ...}`` for unknown routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from producers.inference.errors import InferenceResponseError
+from producers.inference.params import Sample
+
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def parse_completions(body: Any) -> list[Sample]:
+    """Samples of a ``/v1/completions`` response, in choice-index order."""
+    samples = []
+    for choice in _choices(body):
+        token_ids = _token_ids(choice)
+        logprobs_block = choice.get("logprobs")
+        if not isinstance(logprobs_block, dict):
+            raise InferenceResponseError("completion choice has no logprobs (request logprobs=0)")
+        logprobs = _floats(logprobs_block.get("token_logprobs"), len(token_ids))
+        tokens = logprobs_block.get("tokens")
+        if isinstance(tokens, list) and all(
+            isinstance(t, str) and t.startswith(_TOKEN_ID_PREFIX) for t in tokens
+        ):
+            if [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens] != token_ids:
+                raise InferenceResponseError("logprobs.tokens disagree with token_ids")
+        prompt_ids = choice.get("prompt_token_ids")
+        samples.append(Sample(
+            prompt_ids=_ints(prompt_ids, "prompt_token_ids"),
+            completion_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=str(choice.get("finish_reason") or ""),
+            text=str(choice.get("text") or ""),
+            stop_reason=choice.get("stop_reason"),
+        ))
+    return samples
+
+
+def parse_chat(body: Any) -> list[Sample]:
+    """Samples of a ``/v1/chat/completions`` response, in choice-index order."""
+    prompt_ids = _ints(body.get("prompt_token_ids"), "prompt_token_ids")
+    samples = []
+    for choice in _choices(body):
+        token_ids = _token_ids(choice)
+        logprobs_block = choice.get("logprobs")
+        content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
+        if not isinstance(content, list):
+            raise InferenceResponseError("chat choice has no logprobs.content (logprobs=true)")
+        logprobs = _floats([entry.get("logprob") for entry in content], len(token_ids))
+        message = choice.get("message") or {}
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        samples.append(Sample(
+            prompt_ids=prompt_ids,
+            completion_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=str(choice.get("finish_reason") or ""),
+            text=str(message.get("content") or ""),
+            reasoning=str(reasoning) if reasoning is not None else None,
+            stop_reason=choice.get("stop_reason"),
+        ))
+    return samples
+
+
+def parse_tokens(body: Any) -> list[int]:
+    """Token ids of a ``/tokenize`` response."""
+    if not isinstance(body, dict):
+        raise InferenceResponseError("tokenize response is not an object")
+    return _ints(body.get("tokens"), "tokens")
+
+
+def error_detail(body: Any, fallback: str) -> tuple[str, str | None]:
+    """``(message, param)`` of an error body; ``fallback`` when it has neither shape."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            param = error.get("param")
+            return str(error["message"]), str(param) if param is not None else None
+        if "detail" in body:
+            return str(body["detail"]), None
+    return fallback, None
+
+
+def _choices(body: Any) -> list[dict[str, Any]]:
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise InferenceResponseError("response has no choices")
+    return sorted(choices, key=lambda choice: int(choice.get("index", 0)))
+
+
+def _token_ids(choice: dict[str, Any]) -> list[int]:
+    if choice.get("token_ids") is None:
+        raise InferenceResponseError(
+            "response has no token_ids: the server must support return_token_ids (vLLM >= 0.10.2)")
+    return _ints(choice["token_ids"], "token_ids")
+
+
+def _ints(values: Any, name: str) -> list[int]:
+    if not isinstance(values, list) or not all(type(v) is int for v in values):
+        raise InferenceResponseError(f"{name} is not a list of token ids")
+    return values
+
+
+def _floats(values: Any, expected: int) -> list[float]:
+    if not isinstance(values, list) or len(values) != expected:
+        got = len(values) if isinstance(values, list) else values
+        raise InferenceResponseError(f"expected {expected} token logprobs, got {got}")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        raise InferenceResponseError("token logprobs contain non-numbers")
+    return [float(v) for v in values]

@@ -1,0 +1,81 @@
+"""One rollout job: generate a group for one dataset item and publish it.
+
+This is the job body, free of arq: ``producers.worker`` wraps it for the worker pool.
+The group id is the job id, so a re-run after a crash publishes the same ``group_id`` and
+downstream dedup drops the second copy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+import structlog
+
+from producers.envs.base import Env
+from producers.inference import InferencePool, SamplingParams
+from producers.publisher import Publisher
+from schemas import TrajectoryGroup
+from schemas.keys import POLICY_VERSION_FIELD, state_key
+
+log = structlog.get_logger("rollq.rollout")
+
+
+class PolicyVersionSource:
+    """Reads the trainer's published policy version, at most once per ``max_age_s``."""
+
+    def __init__(self, redis: aioredis.Redis, run: str, max_age_s: float = 0.5) -> None:
+        self.redis = redis
+        self.key = state_key(run)
+        self.max_age_s = max_age_s
+        self._value = 0
+        self._read_at = float("-inf")
+
+    async def __call__(self) -> int:
+        now = time.monotonic()
+        if now - self._read_at >= self.max_age_s:
+            raw = await self.redis.hget(self.key, POLICY_VERSION_FIELD)
+            self._value = int(raw) if raw is not None else 0
+            self._read_at = now
+        return self._value
+
+
+@dataclass
+class RolloutRunner:
+    """Everything a job needs, built once per worker process."""
+
+    run: str
+    env: Env
+    pool: InferencePool
+    publisher: Publisher
+    sampling: SamplingParams
+    group_size: int
+    versions: PolicyVersionSource
+
+    async def run_job(self, group_id: str, position: int) -> str:
+        """Roll out dataset item ``position % len(env)`` and publish it; returns the entry id."""
+        started = time.time()
+        version = await self.versions()
+        item = self.env.item(position % len(self.env))
+        rollout = await self.env.rollout(
+            item, self.pool, group_size=self.group_size, sampling=self.sampling,
+            policy_version=self.versions,
+        )
+        group = TrajectoryGroup(
+            group_id=group_id,
+            run=self.run,
+            env=self.env.name,
+            policy_version=min([version, *(c.policy_version for c in rollout.completions)]),
+            prompt_ids=rollout.prompt_ids,
+            prompt_text=rollout.prompt_text,
+            prompt_messages=rollout.prompt_messages,
+            completions=tuple(rollout.completions),
+            metadata=rollout.metadata,
+            created_at=started,
+            finished_at=time.time(),
+        )
+        entry_id = await self.publisher.publish(group)
+        log.info("group_published", group_id=group_id, entry_id=entry_id,
+                 policy_version=group.policy_version, tokens=group.num_tokens)
+        return entry_id

@@ -1,0 +1,39 @@
+"""The integration tier: a real CPU vLLM server with the tiny local model.
+
+The server starts once per test session when ``ROLLQ_TEST_VLLM_PYTHON`` names the
+interpreter of a virtual environment with vLLM (``.ci/test`` sets it up). Without it the
+tier is skipped, unless ``ROLLQ_REQUIRE_VLLM=1`` (CI), where a missing vLLM fails the run.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ops.stack import VllmProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ops.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "rollq-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmProcess]:
+    python = os.environ.get("ROLLQ_TEST_VLLM_PYTHON", "")
+    if not python:
+        if os.environ.get("ROLLQ_REQUIRE_VLLM") == "1":
+            pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
+        pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
+    cache = Path(python).resolve().parent.parent / "inductor-cache"
+    server = VllmProcess(python, tiny_model, tmp_path_factory.mktemp("vllm") / "server.log",
+                         compile_cache=cache).start()
+    yield server
+    server.stop()

@@ -1,0 +1,95 @@
+"""Reward configuration: loading, presets, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from consumers.scorer import ConfigError, RewardConfig
+
+YAML = """\
+preset: r1
+components:
+  - name: accuracy
+    settings: {gold_field: solution, on_unparseable_gold: zero}
+  - name: overlong
+    component: soft_overlong
+    weight: 0.5
+    settings: {max_completion_len: 4096, cache: 512}
+    on_error: dead_letter
+    timeout_s: 5
+advantages: {method: rloo, zero_variance: keep}
+trace: {open_tag: "<reasoning>", close_tag: "</reasoning>"}
+pool: {workers: 3}
+"""
+
+
+def test_from_yaml_merges_the_preset(tmp_path: Path) -> None:
+    path = tmp_path / "reward.yaml"
+    path.write_text(YAML)
+    config = RewardConfig.from_yaml(path)
+    entries = {entry.name: entry for entry in config.components}
+    assert list(entries) == ["accuracy", "format", "tag_count", "overlong"]
+    assert entries["accuracy"].component == "accuracy"
+    assert entries["accuracy"].settings == {"gold_field": "solution",
+                                            "on_unparseable_gold": "zero"}
+    assert entries["format"].settings == {"preset": "r1"}
+    assert entries["overlong"].weight == 0.5
+    assert entries["overlong"].on_error == "dead_letter"
+    assert config.advantages.method == "rloo"
+    assert config.trace.open_tag == "<reasoning>"
+    assert config.pool.workers == 3
+    assert config.correctness_name() == "accuracy"
+    assert config.combine == "weighted_sum"
+
+
+def test_roll_universal_preset() -> None:
+    config = RewardConfig.from_mapping({"preset": "roll_universal"})
+    assert config.combine == "roll_universal"
+    assert [e.name for e in config.components] == ["accuracy", "format_markers",
+                                                   "length_bounty"]
+
+
+@pytest.mark.parametrize(("data", "names"), [
+    ({"components": [{"name": "x", "component": "nonsense"}]},
+     ["components.0.component", "unknown component 'nonsense'"]),
+    ({"components": [{"name": "r", "component": "repetition",
+                      "settings": {"max_penalty": 1.0}}]},
+     ["components.0", "settings.max_penalty", "must be ≤ 0"]),
+    ({"components": [{"name": "a", "component": "accuracy", "wieght": 2}]},
+     ["components.0.wieght", "Extra inputs"]),
+    ({"components": [{"name": "a", "component": "accuracy",
+                      "settings": {"gold_feild": "x"}}]},
+     ["settings.gold_feild"]),
+    ({"components": [{"name": "c", "component": "cosine"}]}, ["correctness"]),
+    ({"components": [{"name": "a", "component": "accuracy"}], "correctness": "b"},
+     ["correctness", "'b'"]),
+    ({"components": [{"name": "a", "component": "tag_count"},
+                     {"name": "a", "component": "format", "settings": {"preset": "r1"}}]},
+     ["duplicate", "'a'"]),
+    ({"components": []}, ["components"]),
+    ({"components": [{"name": "a", "component": "tag_count"}],
+      "advantages": {"process_component": "a"}}, ["advantages.process_component"]),
+    ({"components": [{"name": "a", "component": "tag_count"}],
+      "advantages": {"method": "ppo"}}, ["advantages.method"]),
+    ({"components": [{"name": "x", "component": "no.such.module:Thing"}]},
+     ["components.0.component", "no.such.module:Thing"]),
+    ({"preset": "r2"}, ["preset"]),
+])
+def test_config_errors_name_the_field(data: dict[str, Any], names: list[str]) -> None:
+    with pytest.raises(ConfigError) as caught:
+        RewardConfig.from_mapping(data)
+    for name in names:
+        assert name in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "reward.yaml"
+    path.write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        RewardConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        RewardConfig.from_yaml(tmp_path / "missing.yaml")

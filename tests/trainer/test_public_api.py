@@ -1,0 +1,24 @@
+"""The SDK's public surface is pinned: adding or removing a name is a deliberate change."""
+
+from __future__ import annotations
+
+import consumers.trainer as sdk
+
+
+def test_trainer_sdk_public_surface_is_pinned() -> None:
+    assert sorted(sdk.__all__) == sorted([
+        "TRAINER_GROUP", "Batch", "BatchData", "BatchSize", "EntryRef", "PackedBatch",
+        "PaddedArrays", "PauseMode", "PolicyPublisher", "ResumeError", "SyncBatch",
+        "SyncTrainerClient", "Targets", "TrainerClient", "TrainerClientSettings",
+        "WeightSyncError", "is_stale", "pack_groups", "pad_groups",
+    ])
+    for name in sdk.__all__:
+        assert hasattr(sdk, name), name
+
+
+def test_sdk_errors_sit_in_the_one_tree() -> None:
+    from schemas import RollqError, TransientError
+
+    assert issubclass(sdk.WeightSyncError, RollqError)
+    assert not issubclass(sdk.WeightSyncError, TransientError)
+    assert issubclass(sdk.ResumeError, RollqError)

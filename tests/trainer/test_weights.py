@@ -1,0 +1,103 @@
+"""publish_policy: the per-server call sequence, failure reporting, monotonic version."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
+from schemas.keys import POLICY_VERSION_FIELD, state_key
+from tests.trainer.helpers import RUN, FakeVllm
+
+SEQUENCE = ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache",
+            "/update_weight_version", "/resume"]
+
+
+def trainer(redis: aioredis.Redis, fake: FakeVllm, *urls: str, **settings: object) -> TrainerClient:
+    return TrainerClient(
+        redis, run=RUN, consumer="rank0", transport=fake.transport(),
+        settings=TrainerClientSettings(inference_urls=urls, **settings),  # type: ignore[arg-type]
+    )
+
+
+async def version(redis: aioredis.Redis) -> int:
+    return int(await redis.hget(state_key(RUN), POLICY_VERSION_FIELD) or -1)
+
+
+async def test_publish_runs_the_sequence_on_every_server(redis: aioredis.Redis) -> None:
+    fake = FakeVllm()
+    async with trainer(redis, fake, "http://a:8000", "http://b:8000/") as tc:
+        assert await tc.publish_policy(3, "/ckpt/step-3") == 3
+    assert fake.calls == {"a": SEQUENCE, "b": SEQUENCE}
+    assert fake.bodies[("a", "/collective_rpc")] == {
+        "method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-3"}}
+    assert fake.bodies[("b", "/update_weight_version")] == {"new_version": "3"}
+    assert await version(redis) == 3
+
+
+async def test_pause_mode_is_configurable(redis: aioredis.Redis) -> None:
+    fake = FakeVllm()
+    async with trainer(redis, fake, "http://a:8000", pause_mode="wait") as tc:
+        await tc.publish_policy(1, "/w")
+    assert fake.calls["a"][0] == "/pause?mode=wait"
+
+
+async def test_a_failing_server_is_reported_resumed_and_blocks_the_version_bump(
+    redis: aioredis.Redis,
+) -> None:
+    fake = FakeVllm()
+    async with trainer(redis, fake, "http://a:1", "http://b:1", "http://c:1") as tc:
+        await tc.publish_policy(1, "/w1")
+        fake.fail = {("b", "/collective_rpc"): 500, ("c", "/pause"): 0}
+        with pytest.raises(WeightSyncError) as raised:
+            await tc.publish_policy(2, "/w2")
+    error = raised.value
+    assert error.step == 2 and set(error.failures) == {"http://b:1", "http://c:1"}
+    assert error.failures["http://b:1"].startswith("reload_weights: HTTP 500")
+    assert "/collective_rpc broke" in error.failures["http://b:1"]
+    assert error.failures["http://c:1"].startswith("pause: cannot connect")
+    assert fake.calls["a"] == SEQUENCE * 2
+    # b was paused, so it is resumed even though its reload failed; c was never reached.
+    assert fake.calls["b"][-3:] == ["/pause?mode=keep", "/collective_rpc", "/resume"]
+    assert fake.calls["c"][-1] == "/pause?mode=keep"
+    assert await version(redis) == 1  # not bumped: some servers still serve step 1
+
+
+async def test_a_failed_resume_is_reported(redis: aioredis.Redis) -> None:
+    fake = FakeVllm(fail={("a", "/resume"): 503})
+    async with trainer(redis, fake, "http://a:1") as tc:
+        with pytest.raises(WeightSyncError, match="resume: HTTP 503"):
+            await tc.publish_policy(1, "/w")
+
+
+async def test_success_false_is_a_failure(redis: aioredis.Redis) -> None:
+    fake = FakeVllm()
+    original = fake.handle
+
+    def handle(request):  # type: ignore[no-untyped-def]
+        if request.url.path == "/reset_prefix_cache":
+            fake.calls[request.url.host].append(request.url.path)
+            import httpx
+
+            return httpx.Response(200, json={"success": False})
+        return original(request)
+
+    fake.handle = handle  # type: ignore[method-assign]
+    async with trainer(redis, fake, "http://a:1") as tc:
+        with pytest.raises(WeightSyncError, match="reset_prefix_cache: server answered"):
+            await tc.publish_policy(1, "/w")
+    assert fake.calls["a"][-1] == "/resume"
+
+
+async def test_policy_version_never_goes_down(redis: aioredis.Redis) -> None:
+    fake = FakeVllm()
+    await redis.hset(state_key(RUN), POLICY_VERSION_FIELD, "7")
+    async with trainer(redis, fake, "http://a:1") as tc:
+        assert await tc.publish_policy(5, "/w5") == 7  # e.g. after resuming an older checkpoint
+        assert await version(redis) == 7
+        assert await tc.current_version() == 5  # staleness follows the trainer's own step
+        assert await tc.publish_policy(9, "/w9") == 9
+    assert await version(redis) == 9
+    with pytest.raises(ValueError):
+        async with trainer(redis, fake) as tc:
+            await tc.publish_policy(-1, "/w")
