@@ -23,9 +23,11 @@ log = structlog.get_logger("rollq.rollout")
 
 
 class PolicyVersionSource:
-    """Reads the trainer's published policy version, at most once per ``max_age_s``."""
+    """Reads the trainer's published policy version (one HGET per generation call; a cache
+    of ``max_age_s`` may be set where that matters, at the price of stamping a group with a
+    version up to that old)."""
 
-    def __init__(self, redis: aioredis.Redis, run: str, max_age_s: float = 0.5) -> None:
+    def __init__(self, redis: aioredis.Redis, run: str, max_age_s: float = 0.0) -> None:
         self.redis = redis
         self.key = state_key(run)
         self.max_age_s = max_age_s

@@ -124,6 +124,8 @@ def build_worker(
     ``burst=True`` returns once the queue is empty (tests)."""
 
     async def startup(ctx: dict[str, Any]) -> None:
+        if "runner" in ctx:  # arq runs on_startup on every main(); keep the first clients
+            return
         redis = aioredis.Redis.from_url(redis_url)
         pool = InferencePool(inference_urls, model=model or None, timeout_s=request_timeout_s,
                              transport=transport)
@@ -142,9 +144,10 @@ def build_worker(
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         if "inference" in ctx:
-            await ctx["inference"].__aexit__(None, None, None)
+            await ctx.pop("inference").__aexit__(None, None, None)
         if "rollq_redis" in ctx:
-            await ctx["rollq_redis"].aclose()
+            await ctx.pop("rollq_redis").aclose()
+        ctx.pop("runner", None)
         log.info("worker_stopped", run=run)
 
     return Worker(
