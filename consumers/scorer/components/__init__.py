@@ -13,6 +13,7 @@ from consumers.scorer.components.base import (
     RewardComponent,
     Score,
 )
+from consumers.scorer.components.char_fraction import CharFraction
 from consumers.scorer.components.format import (
     Format,
     FormatMarkers,
@@ -48,6 +49,7 @@ COMPONENTS: dict[str, type[RewardComponent[Any]]] = {
     "repetition": Repetition,
     "reasoning_steps": ReasoningSteps,
     "process": ProcessReward,
+    "char_fraction": CharFraction,
 }
 """Built-in component type names, as written in a config's `component` field."""
 
@@ -77,6 +79,7 @@ __all__ = [
     "COMPONENTS",
     "Accuracy",
     "AccuracySettings",
+    "CharFraction",
     "ComponentSettings",
     "Cosine",
     "CosineSettings",

@@ -1,0 +1,481 @@
+"""Scorer throughput: groups/s of ONE scorer process through the real consumer path.
+
+On a redis-server this benchmark starts itself (loopback, persistence off), per run:
+``G`` trajectory groups (default 200 x 16 completions of GSM8K/MATH-like text: a
+``<think>`` block of step-by-step reasoning with numbers and LaTeX, then a ``\\boxed{}``
+answer, right or wrong, 1-3 KB each; the gold answer in ``metadata["answer"]``) are
+XADDed to the traj stream before the clock starts, then one scorer, wired exactly as
+``ops.roles.run_scorer`` wires it (``StreamReader`` in group ``scorers`` with
+``count=concurrency``, ``Scorer(bridge, fingerprint, redis)`` in a ``Stage`` with the same
+concurrency) runs its burst path (``Stage.drain``) until every group is forwarded or
+dropped. The clock covers only the drain: the bridge (and its process pool, whose start-up
+is reported apart) is opened once per config, before the first run.
+
+Configs (zero-variance policy ``keep`` in both, so no group is dropped):
+
+(a) ``format`` (preset ``think``) + ``length_bounty``: inline components only;
+(b) ``preset: r1``: ``accuracy`` (math-verify, in the process pool) + ``format`` (preset
+    ``r1``) + ``tag_count``.
+
+During every run a ticker task on the same event loop sleeps 10 ms over and over and records
+how late it wakes up (actual - expected): the event-loop lag, p50/p99/max.
+
+Also reported: the mean ms per group each component spent (``GroupScore.timings``: wall
+time, so a pooled component's figure includes waiting for a free worker while other groups
+are in flight), and each component's serial in-process CPU cost per group (the work itself).
+
+Run from the repository root:  python -m bench.scorer  [--groups 200 --runs 3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+import yaml
+
+from bench.common import BenchRedis, median_of, print_table
+from consumers.bus import StreamReader
+from consumers.scorer.bridge import GroupScore, RewardBridge
+from consumers.scorer.config import RewardConfig
+from consumers.scorer.consumer import Scorer, config_fingerprint
+from consumers.scorer.sample import Sample
+from consumers.stage import Stage
+from ops.logging import configure_logging
+from ops.roles import consumer_name, load_reward_config, reader_settings
+from ops.settings import ScorerSettings
+from producers.publisher import Publisher
+from schemas import Completion, Fields, TrajectoryGroup, encode
+from schemas.keys import stream_keys
+
+RUN = "benchscorer"
+TICK_S = 0.010
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "a: format+length": {
+        "components": [
+            {"name": "format", "component": "format", "settings": {"preset": "think"}},
+            {"name": "length_bounty", "component": "length_bounty"},
+        ],
+        "advantages": {"zero_variance": "keep"},
+    },
+    "b: r1 (math-verify)": {
+        "preset": "r1",
+        "advantages": {"zero_variance": "keep"},
+    },
+}
+
+# ----------------------------------------------------------------------------- text
+
+
+_NAMES = ("Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Mark", "Ken", "Alexis",
+          "Tina", "Randy", "Joy", "Carla", "Mei", "Samir", "Olga")
+_ITEMS = ("clips", "apples", "pages", "marbles", "cookies", "stickers", "books", "pencils",
+          "eggs", "tickets", "shells", "cupcakes")
+_FILLER = (
+    "Let me re-read the problem to make sure I have the quantities right.",
+    "I should be careful with the units here.",
+    "Hmm, wait, let me double-check that step before moving on.",
+    "That seems reasonable, so I will continue with the next part.",
+    "Let me organise what we know so far.",
+    "Actually, I think there is a simpler way to see this.",
+    "So far everything is consistent with the statement of the problem.",
+    "Okay, now the remaining part of the question.",
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    gold: str
+    """The gold answer as the env stores it in ``metadata["answer"]``."""
+    answer: str
+    """The correct answer as LaTeX (what goes into ``\\boxed{}``)."""
+    wrong: str
+
+
+def make_problem(rng: np.random.Generator) -> Problem:
+    """A GSM8K-like word problem (integer answer) or a MATH-like one (fraction answer)."""
+    name, item = _NAMES[int(rng.integers(len(_NAMES)))], _ITEMS[int(rng.integers(len(_ITEMS)))]
+    if rng.random() < 0.6:
+        a, b, c = (int(x) for x in rng.integers(3, 60, 3))
+        total = a * b - c
+        prompt = (f"{name} has {a} boxes with {b} {item} in each box. {name} gives away {c} "
+                  f"{item}. How many {item} does {name} have left?")
+        return Problem(prompt, str(total), str(total), str(total + int(rng.integers(1, 9))))
+    p, q = (int(x) for x in rng.integers(2, 13, 2))
+    q += p  # p/q < 1
+    g = int(np.gcd(p, q))
+    frac = f"\\frac{{{p // g}}}{{{q // g}}}"
+    prompt = (f"A bag holds {q} {item}, {p} of them red. What fraction of the {item} are red? "
+              "Express your answer as a common fraction.")
+    wrong = f"\\frac{{{q // g}}}{{{p // g + q // g}}}"
+    return Problem(prompt, f"${frac}$", frac, wrong)
+
+
+def _sentence(rng: np.random.Generator, step: int) -> str:
+    a, b, c = (int(x) for x in rng.integers(2, 99, 3))
+    kind = int(rng.integers(7))
+    if kind == 0:
+        return f"Step {step}: we multiply {a} by {b}, so ${a} \\times {b} = {a * b}$."
+    if kind == 1:
+        return (f"Then we subtract {c} from that: ${a * b} - {c} = {a * b - c}$, which is "
+                f"what is left after this step.")
+    if kind == 2:
+        return (f"The fraction of the total is $\\frac{{{a}}}{{{a + b}}}$, and simplifying "
+                f"by the common factor gives $\\frac{{{a // int(np.gcd(a, a + b))}}}"
+                f"{{{(a + b) // int(np.gcd(a, a + b))}}}$.")
+    if kind == 3:
+        return (f"Adding the two amounts, ${a} + {b} = {a + b}$, and then {c} more makes "
+                f"{a + b + c} in total.")
+    if kind == 4:
+        return (f"If each of the {a} groups has {b} items, the number of items is {a * b}; "
+                f"dividing by {c} gives about {a * b / c:.2f}.")
+    if kind == 5:
+        return f"Let $x$ be the unknown amount. Then $x + {a} = {a + b}$, so $x = {b}$."
+    return _FILLER[int(rng.integers(len(_FILLER)))]
+
+
+def make_completion_text(rng: np.random.Generator, problem: Problem,
+                         correct: bool) -> tuple[str, str]:
+    """A completion in one of the shapes policies produce, and its finish reason.
+
+    55% open-r1 format (``<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>``), 25% a
+    think block then a prose answer, 10% no tags, 10% truncated inside the reasoning.
+    """
+    target = int(rng.integers(900, 2900))
+    steps = ["Let me work through this step by step."]
+    size = len(steps[0])
+    while size < target:
+        sentence = _sentence(rng, len(steps))
+        steps.append(sentence)
+        size += len(sentence) + 1
+    reasoning = " ".join(steps)
+    answer = problem.answer if correct else problem.wrong
+    shape = rng.random()
+    if shape < 0.55:
+        return (f"<think>\n{reasoning}\n</think>\n<answer>\nThe answer is "
+                f"$\\boxed{{{answer}}}$.\n</answer>", "stop")
+    if shape < 0.80:
+        return (f"<think>\n{reasoning}\n</think>\n\nSo the final answer is "
+                f"$\\boxed{{{answer}}}$.", "stop")
+    if shape < 0.90:
+        return f"{reasoning}\n\nTherefore the answer is $\\boxed{{{answer}}}$.", "stop"
+    return f"<think>\n{reasoning}", "length"
+
+
+def make_group(rng: np.random.Generator, group_size: int, run: str = RUN) -> TrajectoryGroup:
+    """A group of ``group_size`` completions to one problem, ~half of them correct."""
+    problem = make_problem(rng)
+    completions = []
+    for _ in range(group_size):
+        text, finish = make_completion_text(rng, problem, bool(rng.random() < 0.5))
+        n = max(16, len(text) // 4)
+        completions.append(Completion(
+            completion_ids=rng.integers(0, 150_000, n, dtype=np.int32),
+            logprobs=-rng.random(n, dtype=np.float32) * 2,
+            loss_mask=np.ones(n, np.uint8),
+            policy_version=0,
+            finish_reason=finish,
+            text=text,
+        ))
+    now = time.time()
+    return TrajectoryGroup(
+        group_id=uuid.uuid4().hex, run=run, env="math", policy_version=0,
+        prompt_ids=rng.integers(0, 150_000, max(16, len(problem.prompt) // 4), dtype=np.int32),
+        prompt_text=problem.prompt, completions=tuple(completions),
+        metadata={"answer": problem.gold}, created_at=now, finished_at=now,
+    )
+
+
+def make_groups(count: int, group_size: int, seed: int = 0) -> list[TrajectoryGroup]:
+    rng = np.random.default_rng(seed)
+    return [make_group(rng, group_size) for _ in range(count)]
+
+
+# --------------------------------------------------------------------------- measure
+
+
+class TimedBridge(RewardBridge):
+    """A ``RewardBridge`` that keeps every group's ``GroupScore.timings``."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        super().__init__(config)
+        self.timings: list[dict[str, float]] = []
+
+    async def score_group(self, samples: Sequence[Sample]) -> GroupScore:
+        score = await super().score_group(samples)
+        self.timings.append(score.timings)
+        return score
+
+
+async def ticker(stop: asyncio.Event, lags: list[float]) -> None:
+    """Sleep ``TICK_S`` over and over on this loop; record how late each wake-up is (s)."""
+    while not stop.is_set():
+        started = time.perf_counter()
+        await asyncio.sleep(TICK_S)
+        lags.append(time.perf_counter() - started - TICK_S)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, np.float64), q)) if values else float("nan")
+
+
+@dataclass
+class Run:
+    seconds: float
+    groups: int
+    forwarded: int
+    dropped: int
+    lags_ms: list[float]
+    timings: list[dict[str, float]]
+    cpu_s: float
+    mean_reward: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def groups_per_s(self) -> float:
+        return self.groups / self.seconds
+
+
+async def publish_all(url: str, payloads: list[Fields]) -> None:
+    """Fresh database; the run registered; every payload XADDed to the traj stream."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        await client.flushall()
+        publisher = Publisher(client, RUN)
+        await publisher.register()
+        key = stream_keys(RUN, publisher.partitions, "traj")[0]
+        for start in range(0, len(payloads), 50):
+            pipe = client.pipeline(transaction=False)
+            for fields in payloads[start:start + 50]:
+                pipe.xadd(key, fields)  # type: ignore[arg-type]
+            await pipe.execute()
+    finally:
+        await client.aclose()
+
+
+async def mean_reward(client: aioredis.Redis) -> float:
+    """Mean of the rewards in the scored stream (a sanity check that scoring happened)."""
+    key = stream_keys(RUN, 1, "scored")[0]
+    entries = await client.xrange(key)
+    rewards = [np.frombuffer(f[b"rewards"], np.float32) for _, f in entries]
+    return float(np.concatenate(rewards).mean()) if rewards else float("nan")
+
+
+async def scorer_run(settings: ScorerSettings, bridge: TimedBridge, config: RewardConfig,
+                     client: aioredis.Redis, groups: int) -> Run:
+    """One burst drain of the traj stream by a scorer wired as ``run_scorer`` wires it."""
+    reader = StreamReader(client, stream_keys(RUN, 1, "traj"), "scorers",
+                          consumer_name(settings, "scorer"),
+                          reader_settings(settings, settings.concurrency))
+    stage = Stage(reader, Scorer(bridge, config_fingerprint(config), client),
+                  concurrency=settings.concurrency)
+    await reader.ensure_groups()
+    bridge.timings.clear()
+    lags: list[float] = []
+    stop = asyncio.Event()
+    gc.collect()
+    tick = asyncio.create_task(ticker(stop, lags))
+    await asyncio.sleep(0)
+    cpu = time.process_time()
+    started = time.perf_counter()
+    await stage.drain()
+    seconds = time.perf_counter() - started
+    cpu_s = time.process_time() - cpu
+    stop.set()
+    await tick
+    if stage.forwarded + stage.dropped != groups or stage.dead_lettered:
+        raise RuntimeError(f"scorer handled {stage.forwarded} forwarded + {stage.dropped} "
+                           f"dropped + {stage.dead_lettered} dead of {groups} groups")
+    return Run(seconds, groups, stage.forwarded, stage.dropped, [x * 1e3 for x in lags],
+               list(bridge.timings), cpu_s, await mean_reward(client))
+
+
+class _DeprecationNoise(logging.Filter):
+    # what the pool workers filter too: math-verify warns on every call with equations=True
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is deprecated" not in record.getMessage()
+
+
+def serial_costs(config: RewardConfig, groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """Each component's CPU ms per group, evaluated serially in this process."""
+    logging.getLogger("latex2sympy2_extended.math_normalization").addFilter(_DeprecationNoise())
+    bridge = RewardBridge(config)
+    out: dict[str, float] = {}
+    samples = [[bridge.make_sample(c.text, c.completion_ids, finish_reason=c.finish_reason,
+                                   metadata=g.metadata, prompt=g.prompt_text)
+                for c in g.completions] for g in groups]
+    for entry in config.components:
+        component = entry.build()
+        component.evaluate(samples[0][0], samples[0])  # imports, regex compile
+        started = time.process_time()
+        for group in samples:
+            for sample in group:
+                component.evaluate(sample, group)
+        out[entry.name] = (time.process_time() - started) / len(groups) * 1e3
+    return out
+
+
+async def idle_lag(seconds: float = 1.0) -> list[float]:
+    lags: list[float] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(ticker(stop, lags))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await task
+    return [x * 1e3 for x in lags]
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.scorer",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--groups", type=int, default=200, help="groups per run (default 200)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per config (default 3)")
+    parser.add_argument("--group-size", type=int, default=16, help="completions per group")
+    parser.add_argument("--concurrency", type=int, default=ScorerSettings().concurrency,
+                        help="scorer concurrency = read count (default: ScorerSettings')")
+    parser.add_argument("--processes", type=int, default=ScorerSettings().processes,
+                        help="reward pool workers (default: ScorerSettings')")
+    parser.add_argument("--only", choices=["a", "b"], help="run one config only")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="cProfile one extra run of each config, stats to FILE.<a|b>")
+    return parser.parse_args(argv)
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    print(f"building {args.groups} groups of {args.group_size} completions per run ...",
+          flush=True)
+    # fresh groups (new seed) for every run, so no cache in the scorer or its workers
+    # (sympy, math-verify) sees a text twice; sets[0] warms up and feeds the serial costs
+    sets = [make_groups(args.groups, args.group_size, seed) for seed in range(args.runs + 1)]
+    encoded = [[encode(g) for g in groups] for groups in sets]
+    groups, payloads = sets[0], encoded[0]
+    texts = [len(c.text.encode()) for g in groups for c in g.completions]
+    tokens = [len(c.completion_ids) for g in groups for c in g.completions]
+    configs = {k: v for k, v in CONFIGS.items() if args.only is None or k.startswith(args.only)}
+
+    results: dict[str, list[Run]] = {}
+    startup: dict[str, float] = {}
+    serial: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="rollq-bench-scorer-") as tmp, BenchRedis() as server:
+        print(f"redis-server {server.version()} on 127.0.0.1:{server.port} (no persistence); "
+              f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs")
+        print(f"text per completion: median {median_of(texts):,.0f} B "
+              f"(min {min(texts):,}, max {max(texts):,}); completion tokens median "
+              f"{median_of(tokens):,.0f}; concurrency {args.concurrency}, pool workers "
+              f"{args.processes}\n", flush=True)
+        client = aioredis.Redis.from_url(server.url)
+        try:
+            base_lag = await idle_lag()
+            for name, document in configs.items():
+                path = Path(tmp) / f"reward-{name[0]}.yaml"
+                path.write_text(yaml.safe_dump(document))
+                settings = ScorerSettings(redis_url=server.url, run=RUN, reward_config=path,
+                                          concurrency=args.concurrency,
+                                          processes=args.processes)
+                config = load_reward_config(path, processes=settings.processes)
+                serial[name] = serial_costs(config, groups[:24])
+                opened = time.perf_counter()
+                async with TimedBridge(config) as bridge:
+                    startup[name] = time.perf_counter() - opened
+                    warm = min(len(payloads), 2 * args.concurrency)
+                    await publish_all(server.url, payloads[:warm])
+                    await scorer_run(settings, bridge, config, client, warm)
+                    results[name] = []
+                    for run in range(args.runs):
+                        await publish_all(server.url, encoded[run + 1])
+                        result = await scorer_run(settings, bridge, config, client,
+                                                  len(encoded[run + 1]))
+                        results[name].append(result)
+                        print(f"{name:22s} run {run + 1}/{args.runs}: {result.seconds:6.2f} s "
+                              f"{result.groups_per_s:7.1f} groups/s  loop lag p99 "
+                              f"{percentile(result.lags_ms, 99):6.1f} ms  cpu(main) "
+                              f"{result.cpu_s:5.2f} s  mean reward {result.mean_reward:.3f}",
+                              flush=True)
+                    if args.profile:
+                        import cProfile
+                        import pstats
+
+                        await publish_all(server.url, payloads)
+                        profiler = cProfile.Profile(time.process_time)  # CPU: robust to a busy host
+                        profiler.enable()
+                        await scorer_run(settings, bridge, config, client, len(payloads))
+                        profiler.disable()
+                        profiler.dump_stats(f"{args.profile}.{name[0]}")
+                        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+        finally:
+            await client.aclose()
+    print()
+
+    rows = []
+    for name, runs in results.items():
+        rows.append([
+            name,
+            " ".join(f"{r.groups_per_s:.1f}" for r in runs),
+            median_of(r.groups_per_s for r in runs),
+            median_of(r.groups_per_s * args.group_size for r in runs),
+            median_of(r.cpu_s / r.groups * 1e3 for r in runs),
+            median_of(percentile(r.lags_ms, 50) for r in runs),
+            median_of(percentile(r.lags_ms, 99) for r in runs),
+            median_of(max(r.lags_ms) for r in runs),
+            startup[name],
+        ])
+    rows.append(["(idle loop, for reference)", "", "", "", "", percentile(base_lag, 50),
+                 percentile(base_lag, 99), max(base_lag), ""])
+    print_table(["config", "groups/s per run", "median groups/s", "completions/s",
+                 "main CPU ms/group", "lag p50 ms", "lag p99 ms", "lag max ms",
+                 "bridge start s"], rows,
+                title=f"one scorer process, {args.groups} groups x {args.group_size} per run, "
+                      f"median of {args.runs} runs (lag: 10 ms ticker on the scorer's loop)")
+
+    comp_rows = []
+    for name, runs in results.items():
+        for component in serial[name]:
+            wall = median_of(float(np.mean([t[component] for t in r.timings])) * 1e3
+                             for r in runs)
+            comp_rows.append([name, component, wall, serial[name][component],
+                              serial[name][component] / args.group_size])
+    print_table(["config", "component", "wall ms/group in scorer", "serial CPU ms/group",
+                 "serial CPU ms/completion"], comp_rows,
+                title="per component: GroupScore.timings (wall; overlaps across concurrent "
+                      "groups) and serial in-process CPU cost")
+
+    for name, runs in results.items():
+        gps = median_of(r.groups_per_s for r in runs)
+        lag99 = median_of(percentile(r.lags_ms, 99) for r in runs)
+        print(f"{name}: {gps:.1f} groups/s ({gps * args.group_size:.0f} completions/s) per "
+              f"scorer process; event-loop lag p99 {lag99:.1f} ms")
+    pooled = [n for n in serial.get("b: r1 (math-verify)", {}) if n == "accuracy"]
+    if pooled:
+        cost = serial["b: r1 (math-verify)"]["accuracy"]
+        print(f"math-verify costs {cost:.1f} CPU ms per group serially: {args.processes} "
+              f"workers cap (b) near {args.processes * 1e3 / cost:.1f} groups/s on "
+              f"{args.processes} free cores ({os.cpu_count()} CPUs here, shared with the "
+              "scorer's loop and redis-server)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging("json", "warning")  # as a deployed scorer, minus info lines
+    return asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

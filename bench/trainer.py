@@ -1,0 +1,481 @@
+"""Trainer SDK: ``next_batch`` latency, and the end-to-end bus against raw Redis.
+
+On a redis-server this benchmark starts itself (loopback, persistence off):
+
+(a) next_batch latency. 64 scored groups of 16 x 2048 completion tokens (256 prompt
+    tokens, GRPO advantages, ~2 KB of text per completion) are XADDed to the run's scored
+    stream before the clock starts; a ``TrainerClient`` then calls
+    ``next_batch(groups=8)`` + ``batch.ack()`` until the 64 are trained, and the buffer is
+    refilled (new group ids, stream trimmed) for the next round. One sample = one
+    ``next_batch`` call: whatever it does (XREADGROUP of up to ``read_count`` entries,
+    decode, dedup check, padding the 8 groups into the numpy arrays). With the default
+    ``read_count`` (64) one call in eight reads and decodes the whole buffer and the other
+    seven only pad from the client's queue, so both kinds are shown; a ``read_count=8``
+    row shows the same work spread evenly. ``ack`` (ledger record + counted acks) is timed
+    apart. Target: p99 <= 25 ms.
+
+(b) end-to-end bus, groups/s, all roles concurrently on one asyncio loop, each on its own
+    client (as bench/bus.py): ``Publisher.publish`` one group at a time -> a ``Stage`` with
+    the real ``Scorer`` and a ``RewardBridge`` of ``format`` (preset think) +
+    ``length_bounty`` (inline), wired as ``ops.roles.run_scorer`` (count = concurrency = 16)
+    -> ``TrainerClient.next_batch(groups=8)`` + ``ack``. The clock runs from the first
+    publish to the last ack. Against, in the same run: raw redis-py with the exact bytes of
+    ``encode(group)`` pre-encoded, one task XADDing them one by one and one XREADGROUP
+    ``COUNT 16`` + XACK per batch (bench/bus.py ``raw``; ``raw2hop`` adds the scored hop with
+    zero Python work, for context). Default shape: 8 completions x 64 tokens, ~200 B of
+    text each (targets: >= 1,500 groups/s and >= 0.35 of raw); then 16 x 2048 for context.
+
+Run from the repository root:  python -m bench.trainer  [--runs 3 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from bench.bus import Result, run_raw
+from bench.common import BenchRedis, median_of, print_table
+from bench.scorer import make_completion_text, make_problem
+from consumers.bus import ReaderSettings, StreamReader
+from consumers.scorer.bridge import RewardBridge
+from consumers.scorer.config import RewardConfig
+from consumers.scorer.consumer import Scorer, config_fingerprint
+from consumers.stage import Stage
+from consumers.trainer import TrainerClient, TrainerClientSettings, pad_groups
+from ops.logging import configure_logging
+from producers.publisher import Publisher
+from schemas import (
+    Completion,
+    Fields,
+    ScoredGroup,
+    SequenceScore,
+    TrajectoryGroup,
+    decode_scored,
+    encode,
+)
+from schemas.keys import stream_key
+
+RUN = "benchtrainer"
+TRAJ = stream_key(RUN, 0, "traj")
+SCORED = stream_key(RUN, 0, "scored")
+TARGET_P99_MS = 25.0
+TARGET_GROUPS_PER_S = 1500.0
+TARGET_RATIO = 0.35
+SCORER_CONCURRENCY = 16
+REWARD = {
+    "components": [
+        {"name": "format", "component": "format", "settings": {"preset": "think"}},
+        {"name": "length_bounty", "component": "length_bounty"},
+    ],
+    "advantages": {"zero_variance": "keep"},
+}
+
+
+# --------------------------------------------------------------------------- payloads
+
+
+def _short_text(rng: np.random.Generator, answer: str) -> str:
+    a, b = (int(x) for x in rng.integers(2, 99, 2))
+    return (f"<think>\nWe need {a} times {b}: ${a} \\times {b} = {a * b}$, then compare "
+            f"with the question.\n</think>\nThe answer is $\\boxed{{{answer}}}$.")
+
+
+def make_group(rng: np.random.Generator, group_size: int, seq_len: int, prompt_len: int,
+               short_text: bool) -> TrajectoryGroup:
+    """A trajectory group; ``short_text``: ~150-200 B per completion, else 1-3 KB."""
+    problem = make_problem(rng)
+    completions = []
+    for _ in range(group_size):
+        correct = bool(rng.random() < 0.5)
+        answer = problem.answer if correct else problem.wrong
+        if short_text:
+            text, finish = _short_text(rng, answer), "stop"
+        else:
+            text, finish = make_completion_text(rng, problem, correct)
+        completions.append(Completion(
+            completion_ids=rng.integers(0, 150_000, seq_len, dtype=np.int32),
+            logprobs=-rng.random(seq_len, dtype=np.float32) * 2,
+            loss_mask=np.ones(seq_len, np.uint8),
+            policy_version=0, finish_reason=finish, text=text,
+        ))
+    now = time.time()
+    return TrajectoryGroup(
+        group_id=uuid.uuid4().hex, run=RUN, env="math", policy_version=0,
+        prompt_ids=rng.integers(0, 150_000, prompt_len, dtype=np.int32),
+        prompt_text=problem.prompt, completions=tuple(completions),
+        metadata={"answer": problem.gold}, created_at=now, finished_at=now,
+    )
+
+
+def make_groups(count: int, group_size: int, seq_len: int, prompt_len: int,
+                short_text: bool, distinct: int = 16) -> list[TrajectoryGroup]:
+    """``count`` groups with unique ids from ``distinct`` random bases."""
+    rng = np.random.default_rng(0)
+    bases = [make_group(rng, group_size, seq_len, prompt_len, short_text)
+             for _ in range(min(distinct, count))]
+    return [bases[i % len(bases)].model_copy(update={"group_id": uuid.uuid4().hex})
+            for i in range(count)]
+
+
+def grpo_scored(group: TrajectoryGroup, rng: np.random.Generator) -> ScoredGroup:
+    """Scores as a GRPO scorer forwards them: random 0/1 rewards, normalised advantages
+    broadcast over each completion's tokens."""
+    rewards = rng.integers(0, 2, len(group.completions)).astype(np.float32)
+    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    return ScoredGroup(
+        trajectory=group,
+        scores=tuple(
+            SequenceScore(reward=float(r), advantage=float(a),
+                          token_advantages=np.full(len(c.completion_ids), a, np.float32),
+                          components={"accuracy": float(r)})
+            for r, a, c in zip(rewards, advantages, group.completions, strict=True)
+        ),
+        weights={"accuracy": 1.0}, reward_config="bench", scored_at=time.time(),
+    )
+
+
+def payload_bytes(fields: Fields) -> int:
+    return sum(len(k) + len(v) for k, v in fields.items())
+
+
+def _client(url: str) -> aioredis.Redis:
+    return aioredis.Redis.from_url(url)
+
+
+# ------------------------------------------------------------------- (a) next_batch latency
+
+
+@dataclass
+class LatencyRun:
+    next_batch_ms: list[float]
+    reading_ms: list[float]
+    """Calls that read from Redis (the queue did not hold a full batch)."""
+    queued_ms: list[float]
+    """Calls served from the client's queue."""
+    ack_ms: list[float]
+
+
+async def latency_run(url: str, payloads: list[Fields], batch_groups: int, read_count: int,
+                      rounds: int) -> LatencyRun:
+    """``rounds`` x (XADD len(payloads) entries; next_batch + ack until they are consumed)."""
+    client = _client(url)
+    out = LatencyRun([], [], [], [])
+    try:
+        await client.flushall()
+        settings = TrainerClientSettings(batch_groups=batch_groups, read_count=read_count,
+                                         block_ms=100, max_staleness=None)
+        async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
+            for _ in range(rounds):
+                pipe = client.pipeline(transaction=False)
+                for fields in payloads:  # a fresh group id: the trainer dedups by group id
+                    pipe.xadd(SCORED, {**fields, b"group_id": uuid.uuid4().hex.encode()})
+                await pipe.execute()
+                consumed = 0
+                while consumed < len(payloads):
+                    queued = len(tc._queue) >= batch_groups  # bench-only peek: read or not
+                    started = time.perf_counter()
+                    batch = await tc.next_batch(groups=batch_groups)
+                    took = (time.perf_counter() - started) * 1e3
+                    out.next_batch_ms.append(took)
+                    (out.queued_ms if queued else out.reading_ms).append(took)
+                    started = time.perf_counter()
+                    await batch.ack()
+                    out.ack_ms.append((time.perf_counter() - started) * 1e3)
+                    consumed += len(batch)
+                    del batch
+                await client.xtrim(SCORED, maxlen=0)
+    finally:
+        await client.aclose()
+    return out
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, np.float64), q)) if values else float("nan")
+
+
+def component_costs(payloads: list[Fields], batch_groups: int,
+                    repeat: int = 5) -> dict[str, float]:
+    """Serial ms of the pieces of a next_batch: decode one group, pad one batch."""
+    decoded = [decode_scored(f) for f in payloads]
+    started = time.perf_counter()
+    for _ in range(repeat):
+        for f in payloads:
+            decode_scored(f)
+    decode_ms = (time.perf_counter() - started) / (repeat * len(payloads)) * 1e3
+    started = time.perf_counter()
+    for _ in range(repeat):
+        pad_groups(decoded[:batch_groups])
+    pad_ms = (time.perf_counter() - started) / repeat * 1e3
+    return {"decode_scored per group": decode_ms, f"pad_groups of {batch_groups} groups": pad_ms}
+
+
+# -------------------------------------------------------------------------- (b) end to end
+
+
+async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridge,
+                    config: RewardConfig, batch_groups: int) -> Result:
+    """Publisher -> Stage(Scorer) -> TrainerClient, concurrently; wall from first publish
+    to last ack."""
+    pub_client, stage_client, trainer_client = _client(url), _client(url), _client(url)
+    stop = asyncio.Event()
+    try:
+        await pub_client.flushall()
+        publisher = Publisher(pub_client, RUN)
+        await publisher.register()
+        reader = StreamReader(stage_client, [TRAJ], "scorers", "scorer-bench",
+                              ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+        stage = Stage(reader, Scorer(bridge, config_fingerprint(config), stage_client),
+                      concurrency=SCORER_CONCURRENCY)
+        await reader.ensure_groups()
+        settings = TrainerClientSettings(batch_groups=batch_groups, block_ms=100,
+                                         max_staleness=None)
+        total = len(groups)
+
+        async def publish() -> None:
+            for group in groups:
+                await publisher.publish(group)
+
+        async def train(tc: TrainerClient) -> float:
+            consumed = 0
+            while consumed < total:
+                batch = await tc.next_batch(groups=min(batch_groups, total - consumed))
+                await batch.ack()
+                consumed += len(batch)
+            return time.monotonic()
+
+        async with TrainerClient(trainer_client, run=RUN, consumer="bench",
+                                 settings=settings) as tc:
+            start = time.monotonic()
+            stage_task = asyncio.create_task(stage.run(stop))
+            _, end = await asyncio.gather(publish(), train(tc))
+            stop.set()
+            await stage_task
+        if stage.forwarded != total:
+            raise RuntimeError(f"stage forwarded {stage.forwarded} of {total} groups")
+        return Result(end - start, total)
+    finally:
+        for c in (pub_client, stage_client, trainer_client):
+            await c.aclose()
+
+
+async def redis_cpu(url: str) -> float:
+    client = _client(url)
+    try:
+        info = await client.info("cpu")
+    finally:
+        await client.aclose()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+@dataclass(frozen=True)
+class Shape:
+    group_size: int
+    seq_len: int
+    prompt_len: int
+    short_text: bool
+    groups: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.group_size}x{self.seq_len}"
+
+
+async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: int,
+              bridge: RewardBridge, config: RewardConfig,
+              profile: str | None) -> dict[str, list[Result]]:
+    groups = make_groups(shape.groups, shape.group_size, shape.seq_len, shape.prompt_len,
+                         shape.short_text)
+    payloads = [encode(g) for g in groups]
+    rng = np.random.default_rng(1)
+    scored_payloads = [encode(grpo_scored(g, rng)) for g in groups[:16]]
+    size = median_of(payload_bytes(p) for p in payloads)
+    text = median_of(len(c.text.encode()) for c in groups[0].completions)
+    print(f"[{shape.label}] {shape.groups} groups/run of {shape.group_size} x {shape.seq_len} "
+          f"tokens (+{shape.prompt_len} prompt), ~{text:.0f} B text/completion; traj payload "
+          f"{size / 1e3:,.1f} KB/group", flush=True)
+
+    variants = {
+        "raw": lambda: run_raw(url, payloads, read_batch),
+        "raw2hop": lambda: run_raw(url, payloads, read_batch, scored_payloads),
+        "rollq": lambda: run_rollq(url, groups, bridge, config, batch_groups),
+    }
+    warm = min(len(groups), 64)
+    await run_raw(url, payloads[:warm], read_batch, scored_payloads)
+    await run_rollq(url, groups[:warm], bridge, config, batch_groups)
+    results: dict[str, list[Result]] = {name: [] for name in variants}
+    for run in range(runs):  # interleaved, so drift hits every variant alike
+        for name, fn in variants.items():
+            gc.collect()
+            redis_before = await redis_cpu(url)
+            cpu_before = time.process_time()
+            result = await fn()
+            result.client_cpu_s = time.process_time() - cpu_before
+            result.redis_cpu_s = await redis_cpu(url) - redis_before
+            results[name].append(result)
+            print(f"  run {run + 1}/{runs} {name:8s} {result.seconds:7.3f} s "
+                  f"{result.groups_per_s:9.1f} groups/s  (cpu: client "
+                  f"{result.client_cpu_s:.3f} s, redis {result.redis_cpu_s:.3f} s)", flush=True)
+    if profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile(time.process_time)  # CPU: robust to a busy host
+        profiler.enable()
+        await run_rollq(url, groups, bridge, config, batch_groups)
+        profiler.disable()
+        profiler.dump_stats(f"{profile}.{shape.label}")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    return results
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.trainer",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs per variant (default 3)")
+    parser.add_argument("--buffered", type=int, default=64,
+                        help="(a) scored groups buffered per round (default 64)")
+    parser.add_argument("--batch-groups", type=int, default=8,
+                        help="groups per next_batch, (a) and (b) (default 8)")
+    parser.add_argument("--rounds", type=int, default=12,
+                        help="(a) refills per run (default 12: 96 calls per run)")
+    parser.add_argument("--groups", type=int, default=3000,
+                        help="(b) small-shape groups per run (default 3000)")
+    parser.add_argument("--big-groups", type=int, default=96,
+                        help="(b) 16x2048 groups per run (default 96; 0 skips)")
+    parser.add_argument("--group-size", type=int, default=8, help="(b) small shape: completions")
+    parser.add_argument("--seq-len", type=int, default=64, help="(b) small shape: tokens")
+    parser.add_argument("--read-batch", type=int, default=16,
+                        help="(b) raw XREADGROUP COUNT (default 16, as the scorer's)")
+    parser.add_argument("--only", choices=["a", "b"], help="run one part only")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="(b) cProfile one extra rollq run per shape, stats to FILE.<shape>")
+    return parser.parse_args(argv)
+
+
+async def part_a(url: str, args: argparse.Namespace) -> list[str]:
+    rng = np.random.default_rng(2)
+    groups = [make_group(rng, 16, 2048, 256, short_text=False) for _ in range(args.buffered)]
+    payloads = [encode(grpo_scored(g, rng)) for g in groups]
+    size = median_of(payload_bytes(p) for p in payloads)
+    print(f"(a) {args.buffered} buffered scored groups of 16 x 2048 tokens (+256 prompt), "
+          f"{size / 1e6:.3f} MB each; next_batch(groups={args.batch_groups}); "
+          f"{args.rounds} rounds/run", flush=True)
+    variants = {"read_count=64 (default)": 64, f"read_count={args.batch_groups}":
+                args.batch_groups}
+    await latency_run(url, payloads, args.batch_groups, 64, 1)  # warm-up
+    results: dict[str, list[LatencyRun]] = {name: [] for name in variants}
+    for run in range(args.runs):
+        for name, read_count in variants.items():
+            gc.collect()
+            result = await latency_run(url, payloads, args.batch_groups, read_count, args.rounds)
+            results[name].append(result)
+            print(f"  run {run + 1}/{args.runs} {name:24s} next_batch p50 "
+                  f"{pct(result.next_batch_ms, 50):6.1f} ms  p99 "
+                  f"{pct(result.next_batch_ms, 99):6.1f} ms  max "
+                  f"{max(result.next_batch_ms):6.1f} ms  (n={len(result.next_batch_ms)})",
+                  flush=True)
+    print()
+    rows: list[list[Any]] = []
+    for name, runs in results.items():
+        rows.append([
+            name,
+            " ".join(f"{pct(r.next_batch_ms, 99):.1f}" for r in runs),
+            median_of(pct(r.next_batch_ms, 50) for r in runs),
+            median_of(pct(r.next_batch_ms, 99) for r in runs),
+            median_of(max(r.next_batch_ms) for r in runs),
+            median_of(pct(r.reading_ms, 50) for r in runs),
+            median_of(pct(r.queued_ms, 50) for r in runs) if runs[0].queued_ms else "-",
+            median_of(pct(r.ack_ms, 50) for r in runs),
+            median_of(pct(r.ack_ms, 99) for r in runs),
+        ])
+    print_table(["trainer reads", "p99 ms per run", "p50 ms", "p99 ms", "max ms",
+                 "reading call p50", "queued call p50", "ack p50 ms", "ack p99 ms"], rows,
+                title=f"(a) next_batch(groups={args.batch_groups}) latency with "
+                      f"{args.buffered} buffered 16x2048 groups, median of {args.runs} runs")
+    costs = component_costs(payloads[:16], args.batch_groups)
+    print_table(["piece", "ms"], [[k, v] for k, v in costs.items()],
+                title="(a) serial cost of the pieces (this process, no Redis)")
+    lines = []
+    for name, runs in results.items():
+        p99 = median_of(pct(r.next_batch_ms, 99) for r in runs)
+        verdict = "OK" if p99 <= TARGET_P99_MS else "ABOVE TARGET"
+        lines.append(f"(a) next_batch p99, {name}: {p99:.1f} ms (target <= "
+                     f"{TARGET_P99_MS:.0f} ms) {verdict}")
+    return lines
+
+
+async def part_b(url: str, args: argparse.Namespace) -> list[str]:
+    config = RewardConfig.from_mapping(REWARD)
+    shapes = [Shape(args.group_size, args.seq_len, 32, True, args.groups)]
+    if args.big_groups:
+        shapes.append(Shape(16, 2048, 256, False, args.big_groups))
+    lines = []
+    async with RewardBridge(config) as bridge:
+        for shape in shapes:
+            results = await e2e(url, shape, args.runs, args.batch_groups, args.read_batch,
+                                bridge, config, args.profile)
+            print()
+            medians = {name: median_of(r.groups_per_s for r in runs)
+                       for name, runs in results.items()}
+            rows = [[
+                name,
+                " ".join(f"{r.groups_per_s:.0f}" for r in runs),
+                medians[name],
+                f"{medians[name] / medians['raw']:.2f}",
+                median_of(r.client_cpu_s / r.groups * 1e3 for r in runs),
+                median_of(r.redis_cpu_s / r.groups * 1e3 for r in runs),
+            ] for name, runs in results.items()]
+            print_table(["variant", "groups/s per run", "median groups/s", "vs raw",
+                         "client CPU ms/group", "redis CPU ms/group"], rows,
+                        title=f"(b) end-to-end bus, {shape.label} groups, {shape.groups} "
+                              f"per run, median of {args.runs} runs")
+            ratio = medians["rollq"] / medians["raw"]
+            line = (f"(b) {shape.label}: rollq {medians['rollq']:,.0f} groups/s, raw "
+                    f"{medians['raw']:,.0f} groups/s, ratio {ratio:.2f}")
+            if shape.short_text:
+                ok = medians["rollq"] >= TARGET_GROUPS_PER_S and ratio >= TARGET_RATIO
+                line += (f" (targets >= {TARGET_GROUPS_PER_S:,.0f} groups/s and >= "
+                         f"{TARGET_RATIO} of raw) {'OK' if ok else 'BELOW TARGET'}")
+            else:
+                line += " (context)"
+            lines.append(line)
+    return lines
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    lines: list[str] = []
+    with BenchRedis() as server:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"redis-server {server.version()} on 127.0.0.1:{server.port} (no persistence); "
+              f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs; load average {load}\n",
+              flush=True)
+        if args.only in (None, "a"):
+            lines += await part_a(server.url, args)
+        if args.only in (None, "b"):
+            lines += await part_b(server.url, args)
+    for line in lines:
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging("json", "warning")  # as a deployed trainer, minus info lines
+    return asyncio.run(main_async(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,164 @@
+"""A reference GRPO trainer over rollq's SDK: copy it into your own trainer, not a framework.
+
+One step:
+  1. ``client.next_batch(groups=B)``: B scored groups, as padded numpy arrays;
+  2. forward the policy over prompt + completion tokens and take the log-probability of each
+     token (``batch.targets()`` lines the arrays up with the logits);
+  3. PPO-clip loss against the sampler's logprobs (the importance ratio corrects for the
+     policy having moved since the rollout was generated), masked to model tokens;
+  4. optimizer step, save the weights (safetensors, HF layout), ``client.publish_policy``
+     (every vLLM server reloads them; the run's policy version becomes the step);
+  5. ``batch.ack()``: the groups are consumed; then, every ``--checkpoint-every`` steps, a
+     checkpoint with the model, the optimizer and ``client.state()``.
+
+Resume with ``--resume``: the model and optimizer come back from the checkpoint and
+``client.load_state`` replays the groups acked after it, so every group is trained into
+the final weights exactly once. ``--flip-advantages`` is the control experiment: it trains
+against the signal, and the reward must not rise.
+
+Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU elsewhere
+(``--device cuda``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from consumers.trainer import SyncTrainerClient, TrainerClientSettings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--redis-url", default=os.environ.get("ROLLQ_REDIS_URL",
+                                                              "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--run", default=os.environ.get("ROLLQ_RUN", "default"))
+    parser.add_argument("--model", required=True, help="initial model directory (HF layout)")
+    parser.add_argument("--inference", default=os.environ.get("ROLLQ_INFERENCE", ""),
+                        help="vLLM base URLs to publish weights to, comma-separated")
+    parser.add_argument("--out", required=True, help="directory for weights and checkpoints")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batch-groups", type=int, default=8)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
+    parser.add_argument("--flip-advantages", action="store_true",
+                        help="control run: train against the reward")
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
+    parser.add_argument("--metrics", help="JSONL file: one line per step")
+    parser.add_argument("--consumer", default="trainer-0")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels[t] | tokens[..t]) at every position t, shape [B, T]."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip objective with per-token advantages, averaged over trainable tokens."""
+    ratio = torch.exp(logprobs - sampler_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    tokens = mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / tokens
+    with torch.no_grad():
+        stats = {
+            "ratio_mean": float((ratio * mask).sum() / tokens),
+            "clip_fraction": float((((ratio - 1).abs() > clip).float() * mask).sum() / tokens),
+        }
+    return loss, stats
+
+
+def save_checkpoint(path: Path, model: Any, optimizer: Any, step: int,
+                    client_state: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "client": client_state}, tmp)
+    tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights_dir, checkpoint = out / "weights", out / "checkpoint.pt"
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    model.to(args.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    urls = tuple(u for u in args.inference.split(",") if u)
+    settings = TrainerClientSettings(batch_groups=args.batch_groups,
+                                     max_staleness=args.max_staleness, inference_urls=urls)
+    metrics = open(args.metrics, "a") if args.metrics else None
+    with SyncTrainerClient(args.redis_url, run=args.run, consumer=args.consumer,
+                           settings=settings) as client:
+        step = 0
+        if args.resume and checkpoint.exists():
+            saved = torch.load(checkpoint, weights_only=False)
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            step = saved["step"]
+            replayed = client.load_state(saved["client"])
+            print(f"resumed at step {step}; replaying {replayed} groups", flush=True)
+        # The servers start from the weights this trainer holds (fresh or resumed).
+        model.save_pretrained(weights_dir, safe_serialization=True)
+        client.publish_policy(step, weights_dir)
+        while step < args.steps:
+            started = time.monotonic()
+            batch = client.next_batch(groups=args.batch_groups)
+            data = batch.targets()
+            tensors = {name: torch.as_tensor(value, device=args.device) for name, value in {
+                "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                "labels": data.labels, "mask": data.loss_mask,
+                "advantages": data.advantages, "sampler_logprobs": data.sampler_logprobs,
+            }.items()}
+            if args.flip_advantages:
+                tensors["advantages"] = -tensors["advantages"]
+            logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
+                                      tensors["labels"])
+            loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
+                                    tensors["advantages"], tensors["mask"], args.clip)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            model.save_pretrained(weights_dir, safe_serialization=True)
+            client.publish_policy(step, weights_dir)
+            batch.ack()
+            if step % args.checkpoint_every == 0 or step == args.steps:
+                save_checkpoint(checkpoint, model, optimizer, step, client.state())
+            record = {
+                "step": step, "loss": float(loss), "reward_mean": float(batch.rewards.mean()),
+                "tokens": int(batch.loss_mask.sum()), "groups": len(batch.groups),
+                "staleness": step - 1 - min(g.policy_version for g in batch.groups),
+                "seconds": time.monotonic() - started, "time": time.time(),
+                "group_ids": batch.group_ids, **stats,
+            }
+            if metrics is not None:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            print(f"step {step} reward {record['reward_mean']:.3f} loss {record['loss']:+.4f} "
+                  f"ratio {stats['ratio_mean']:.4f}", flush=True)
+    if metrics is not None:
+        metrics.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

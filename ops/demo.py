@@ -1,0 +1,291 @@
+"""``rollq demo``: the whole loop on one machine, and proof that a model learns through it.
+
+It starts (or uses) Redis and a vLLM server with a tiny local model, then the roles as
+separate processes, exactly as a deployment runs them:
+
+    rollq feed     -> admits rollout jobs at the trainer's pace
+    rollq workers  -> generate groups on vLLM, publish them to the traj stream
+    rollq score    -> reward (digit fraction: a dense toy reward), advantages, forward
+    examples/grpo_trainer.py -> GRPO steps, weights published back to vLLM
+
+and shows live progress until the trainer has done ``steps`` steps. Then it writes
+``reward.png`` (reward vs step) and ``summary.json`` to the output directory and stops
+every process it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+import redis
+
+from ops.stack import RedisProcess, VllmProcess
+from schemas import ConfigError
+from schemas.keys import StreamName, counters_key, stream_key
+
+EXAMPLE_TRAINER = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
+
+DEMO_REWARD = """\
+# The demo's reward: the fraction of digit characters in the completion. Dense, so a tiny
+# random model gets a learning signal from its first step (accuracy would be 0 for all).
+components:
+  - name: digits
+    component: char_fraction
+    settings: {pattern: "[0-9]"}
+advantages: {method: grpo, zero_variance: keep}
+pool: {workers: 1}
+"""
+
+
+@dataclass
+class DemoOptions:
+    out: Path
+    steps: int = 60
+    run: str = "demo"
+    redis_url: str | None = None
+    inference: str | None = None
+    model: Path | None = None
+    vllm_python: str | None = None
+    group_size: int = 8
+    batch_groups: int = 8
+    max_tokens: int = 24
+    max_staleness: int = 1
+    lr: float = 2e-3
+    flip_advantages: bool = False
+    step_timeout_s: float = 120.0
+
+
+@dataclass
+class DemoResult:
+    steps: list[dict[str, Any]]
+    wall_s: float
+    out: Path
+    plot: Path | None = None
+    drops: dict[str, int] = field(default_factory=dict)
+
+    def reward_at(self, first: bool, window: int = 5) -> float:
+        rows = self.steps[:window] if first else self.steps[-window:]
+        return float(sum(r["reward_mean"] for r in rows)) / max(1, len(rows))
+
+
+class Processes:
+    """Child processes in their own process groups, stopped in reverse order."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("wb")
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.started.append((name, process))
+        return process
+
+    def check(self) -> None:
+        for name, process in self.started:
+            if process.poll() not in (None, 0):
+                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        for _, process in reversed(self.started):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, process in reversed(self.started):
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=5)
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _lag(client: redis.Redis, run: str) -> tuple[int, int]:
+    """Entries waiting for the scorers and for the trainer (partition 0)."""
+    waiting = []
+    pairs: tuple[tuple[StreamName, str], ...] = (("traj", "scorers"), ("scored", "trainer"))
+    for name, group in pairs:
+        try:
+            groups: list[dict[str, Any]] = client.xinfo_groups(  # type: ignore[assignment]
+                stream_key(run, 0, name))
+        except redis.ResponseError:
+            waiting.append(0)
+            continue
+        info = next((g for g in groups if g["name"] == group.encode()), None)
+        waiting.append(int((info or {}).get("lag") or 0) + int((info or {}).get("pending") or 0))
+    return waiting[0], waiting[1]
+
+
+def plot_rewards(steps: list[dict[str, Any]], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([s["step"] for s in steps], [s["reward_mean"] for s in steps], marker=".")
+    axis.set_xlabel("trainer step")
+    axis.set_ylabel("mean reward of the batch")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> DemoResult:
+    """Bring the stack up, train ``options.steps`` steps, write the plot, tear down."""
+    out = options.out.resolve()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "summary.json"):
+        (out / stale).unlink(missing_ok=True)
+    started = time.monotonic()
+    embedded_redis: RedisProcess | None = None
+    vllm: VllmProcess | None = None
+    processes = Processes(logs)
+    try:
+        redis_url = options.redis_url
+        if redis_url is None:
+            embedded_redis = RedisProcess(out / "redis").start()
+            redis_url = embedded_redis.url
+            say(f"redis: embedded redis-server on {redis_url}")
+        model = options.model
+        if model is None:
+            from ops.tiny_model import write_tiny_model
+
+            model = write_tiny_model(out / "tiny-model", seed=0)
+            say(f"model: wrote the tiny Qwen2 model to {model}")
+        inference = options.inference
+        if inference is None:
+            if not options.vllm_python:
+                raise ConfigError("no --inference URL and no --vllm-python to start vLLM with")
+            say("vllm: starting the CPU server (30-70 s, first compile ~20 s)...")
+            cache = Path(options.vllm_python).resolve().parent.parent / "inductor-cache"
+            vllm = VllmProcess(options.vllm_python, model, logs / "vllm.log",
+                               compile_cache=cache).start()
+            inference = vllm.url
+            say(f"vllm: serving {model.name} at {inference}")
+        client = redis.Redis.from_url(redis_url)
+        if client.exists(stream_key(options.run, 0, "traj")):
+            raise ConfigError(f"run {options.run!r} already has data in {redis_url}; "
+                              "pick another --run or an empty Redis")
+        reward = out / "reward.yaml"
+        reward.write_text(DEMO_REWARD)
+        env = {**os.environ, "ROLLQ_REDIS_URL": redis_url, "ROLLQ_RUN": options.run,
+               "ROLLQ_LOG_FORMAT": "json"}
+        python = sys.executable
+        processes.start("scorer", [python, "-m", "ops.cli", "score", "--reward-config",
+                                   str(reward), "--processes", "1"], env)
+        processes.start("workers", [
+            python, "-m", "ops.cli", "workers", "--env", "gsm8k", "--inference", inference,
+            "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
+            "--concurrency", str(options.batch_groups)], env)
+        processes.start("feeder", [
+            python, "-m", "ops.cli", "feed", "--env", "gsm8k", "--epochs", "1000",
+            "--max-staleness", str(options.max_staleness),
+            "--batch-groups", str(options.batch_groups)], env)
+        metrics = out / "metrics.jsonl"
+        trainer = [python, str(EXAMPLE_TRAINER), "--model", str(model), "--inference", inference,
+                   "--out", str(out / "trainer"), "--steps", str(options.steps),
+                   "--batch-groups", str(options.batch_groups), "--lr", str(options.lr),
+                   "--max-staleness", str(options.max_staleness), "--metrics", str(metrics)]
+        if options.flip_advantages:
+            trainer.append("--flip-advantages")
+        trainer_process = processes.start("trainer", trainer, env)
+        _follow(options, processes, trainer_process, client, metrics, say)
+        steps = _read_metrics(metrics)
+        drops = _drops(client, options.run)
+        client.close()
+    finally:
+        processes.stop()
+        if vllm is not None:
+            vllm.stop()
+        if embedded_redis is not None:
+            embedded_redis.stop()
+    result = DemoResult(steps=steps, wall_s=time.monotonic() - started, out=out, drops=drops)
+    if steps:
+        title = "rollq demo: digit-fraction reward" + (" (flipped advantages)"
+                                                       if options.flip_advantages else "")
+        result.plot = plot_rewards(steps, out / "reward.png", title)
+    _write_summary(result, options)
+    return result
+
+
+def _follow(options: DemoOptions, processes: Processes, trainer: subprocess.Popen[bytes],
+            client: redis.Redis, metrics: Path, say: Callable[[str], None]) -> None:
+    shown, last_progress = 0, time.monotonic()
+    first_reward: float | None = None
+    while True:
+        processes.check()
+        steps = _read_metrics(metrics)
+        for row in steps[shown:]:
+            first_reward = row["reward_mean"] if first_reward is None else first_reward
+            traj_lag, scored_lag = _lag(client, options.run)
+            tokens_per_s = row["tokens"] / max(row["seconds"], 1e-9)
+            say(f"step {row['step']:>3}/{options.steps}  reward {row['reward_mean']:.3f} "
+                f"(first {first_reward:.3f})  lag traj {traj_lag} scored {scored_lag}  "
+                f"staleness {row['staleness']}  {tokens_per_s:,.0f} trained tok/s")
+            last_progress = time.monotonic()
+        shown = len(steps)
+        if trainer.poll() == 0:
+            return
+        if time.monotonic() - last_progress > options.step_timeout_s:
+            raise RuntimeError(f"no trainer step for {options.step_timeout_s:.0f}s; "
+                               f"see the logs in {processes.logs}")
+        time.sleep(0.5)
+
+
+def _drops(client: redis.Redis, run: str) -> dict[str, int]:
+    counters: dict[bytes, bytes] = client.hgetall(counters_key(run, 0))  # type: ignore[assignment]
+    return {k.decode()[5:]: int(v) for k, v in counters.items() if k.startswith(b"drop:")}
+
+
+def _write_summary(result: DemoResult, options: DemoOptions) -> None:
+    summary = {
+        "steps": len(result.steps),
+        "reward_first_5": result.reward_at(first=True) if result.steps else None,
+        "reward_last_5": result.reward_at(first=False) if result.steps else None,
+        "reward_first_step": result.steps[0]["reward_mean"] if result.steps else None,
+        "reward_last_step": result.steps[-1]["reward_mean"] if result.steps else None,
+        "wall_s": round(result.wall_s, 1),
+        "drops": result.drops,
+        "plot": str(result.plot) if result.plot else None,
+        "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
+    }
+    (result.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def print_summary(result: DemoResult, stream: TextIO = sys.stdout) -> None:
+    if not result.steps:
+        print("no training step completed", file=stream)
+        return
+    print(f"\nreward: first 5 steps {result.reward_at(True):.3f} -> last 5 steps "
+          f"{result.reward_at(False):.3f} over {len(result.steps)} steps in "
+          f"{result.wall_s:.0f}s", file=stream)
+    print(f"plot: {result.plot}\nsummary: {result.out / 'summary.json'}", file=stream)
+
+
+def check_inference(url: str) -> None:
+    try:
+        httpx.get(f"{url}/health", timeout=5).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"--inference {url} does not answer /health: {exc}") from None
