@@ -22,7 +22,7 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     publish to the last ack. Against, in the same run: raw redis-py with the exact bytes of
     ``encode(group)`` pre-encoded, one task XADDing them one by one and one XREADGROUP
     ``COUNT 16`` + XACK per batch (bench/bus.py ``raw``; ``raw2hop`` adds the scored hop with
-    zero Python work, for context). Default shape: 8 completions x 64 tokens, ~200 B of
+    zero Python work, for context). Default shape: 8 completions x 64 tokens, ~120 B of
     text each (targets: >= 1,500 groups/s and >= 0.35 of raw); then 16 x 2048 for context.
 
 Run from the repository root:  python -m bench.trainer  [--runs 3 ...]
@@ -37,7 +37,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +93,7 @@ def _short_text(rng: np.random.Generator, answer: str) -> str:
 
 def make_group(rng: np.random.Generator, group_size: int, seq_len: int, prompt_len: int,
                short_text: bool) -> TrajectoryGroup:
-    """A trajectory group; ``short_text``: ~150-200 B per completion, else 1-3 KB."""
+    """A trajectory group; ``short_text``: ~120 B per completion, else 1-3 KB."""
     problem = make_problem(rng)
     completions = []
     for _ in range(group_size):
@@ -150,7 +150,8 @@ def payload_bytes(fields: Fields) -> int:
 
 
 def _client(url: str) -> aioredis.Redis:
-    return aioredis.Redis.from_url(url)
+    client: aioredis.Redis = aioredis.Redis.from_url(url)
+    return client
 
 
 # ------------------------------------------------------------------- (a) next_batch latency
@@ -179,7 +180,8 @@ async def latency_run(url: str, payloads: list[Fields], batch_groups: int, read_
             for _ in range(rounds):
                 pipe = client.pipeline(transaction=False)
                 for fields in payloads:  # a fresh group id: the trainer dedups by group id
-                    pipe.xadd(SCORED, {**fields, b"group_id": uuid.uuid4().hex.encode()})
+                    pipe.xadd(SCORED, {**fields,  # type: ignore[dict-item]
+                                       b"group_id": uuid.uuid4().hex.encode()})
                 await pipe.execute()
                 consumed = 0
                 while consumed < len(payloads):
@@ -305,7 +307,7 @@ async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: 
           f"tokens (+{shape.prompt_len} prompt), ~{text:.0f} B text/completion; traj payload "
           f"{size / 1e3:,.1f} KB/group", flush=True)
 
-    variants = {
+    variants: dict[str, Callable[[], Coroutine[Any, Any, Result]]] = {
         "raw": lambda: run_raw(url, payloads, read_batch),
         "raw2hop": lambda: run_raw(url, payloads, read_batch, scored_payloads),
         "rollq": lambda: run_rollq(url, groups, bridge, config, batch_groups),
@@ -330,7 +332,7 @@ async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: 
         import cProfile
         import pstats
 
-        profiler = cProfile.Profile(time.process_time)  # CPU: robust to a busy host
+        profiler = cProfile.Profile(time.process_time)  # CPU time, not wall: robust to noise
         profiler.enable()
         await run_rollq(url, groups, bridge, config, batch_groups)
         profiler.disable()

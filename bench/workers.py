@@ -21,7 +21,7 @@ vllm     A real CPU vLLM server (``ops.stack.VllmProcess``, the tiny model of
                  tokens/s = generated tokens / wall from the first send to the last reply;
          rollq   enqueue the items, run one worker; tokens/s = completion tokens found in
                  the traj stream / wall (as above: start-up done to last XADD).
-         Interleaved (direct, rollq, direct, rollq...), ``--runs`` each; the figure is the
+         Interleaved (direct, rollq, direct, rollq...), ``--vllm-runs`` each; the figure is the
          ratio of the medians rollq/direct. On a small machine the worker shares the CPU
          with vLLM, so the ratio includes what the worker's CPU takes from the server.
 
@@ -456,14 +456,14 @@ async def bench_vllm(args: argparse.Namespace, redis_url: str, python: str) -> f
         try:
             print(f"vLLM ready on {vllm.url} after {time.monotonic() - started:.0f} s; "
                   f"{args.items} gsm8k items x n={args.group_size} x {args.max_tokens} tokens "
-                  f"(ignore_eos), concurrency {args.vllm_concurrency}, {args.runs} runs each",
+                  f"(ignore_eos), concurrency {args.vllm_concurrency}, {args.vllm_runs} runs each",
                   flush=True)
             # warm-up: one full untimed pass of each (the server's first batches are slow)
             await run_direct(vllm.url, bodies, args.vllm_concurrency)
             await run_rollq(redis_url, vllm.url, "vwarm", args.items, group_size=args.group_size,
                             concurrency=args.vllm_concurrency, sampling=sampling)
             results: dict[str, list[Run]] = {"direct": [], "rollq": []}
-            for run in range(args.runs):
+            for run in range(args.vllm_runs):
                 for name in ("direct", "rollq"):
                     if name == "direct":
                         result = await run_direct(vllm.url, bodies, args.vllm_concurrency)
@@ -473,7 +473,7 @@ async def bench_vllm(args: argparse.Namespace, redis_url: str, python: str) -> f
                             group_size=args.group_size, concurrency=args.vllm_concurrency,
                             sampling=sampling)
                     results[name].append(result)
-                    print(f"run {run + 1}/{args.runs} {name:6s}: {result.seconds:6.3f} s  "
+                    print(f"run {run + 1}/{args.vllm_runs} {name:6s}: {result.seconds:6.3f} s  "
                           f"{result.tokens:,} tokens  {result.tokens_per_s:8.1f} tokens/s  "
                           f"(client/worker cpu {result.worker_cpu_s:.2f} s)", flush=True)
         finally:
@@ -487,7 +487,7 @@ async def bench_vllm(args: argparse.Namespace, redis_url: str, python: str) -> f
           f"{median_of(r.seconds for r in runs):.3f}",
           f"{median_of(r.worker_cpu_s for r in runs):.2f}"]
          for name, runs in results.items()],
-        title=f"same {args.items} requests direct vs through rollq, median of {args.runs}")
+        title=f"same {args.items} requests direct vs through rollq, median of {args.vllm_runs}")
     return medians["rollq"] / medians["direct"]
 
 
@@ -503,11 +503,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="8,32,64",
                         help="worker concurrencies tried against the fake, comma-separated "
                              "(default 8,32,64)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per variant (default 3)")
+    parser.add_argument("--runs", type=int, default=3,
+                        help="runs per concurrency against the fake (default 3)")
     parser.add_argument("--max-tokens", type=int, default=64,
                         help="tokens per completion, both parts (default 64)")
-    parser.add_argument("--items", type=int, default=24,
-                        help="gsm8k items (groups) per real-vLLM run (default 24)")
+    parser.add_argument("--items", type=int, default=48,
+                        help="gsm8k items (groups) per real-vLLM run (default 48)")
+    parser.add_argument("--vllm-runs", type=int, default=5,
+                        help="runs per variant against real vLLM (default 5; a run is short "
+                             "and the server's speed drifts)")
     parser.add_argument("--vllm-concurrency", type=int, default=8,
                         help="requests in flight, direct and rollq, real vLLM (default 8)")
     parser.add_argument("--skip-vllm", action="store_true", help="fake-server part only")

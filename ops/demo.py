@@ -86,9 +86,9 @@ class Processes:
         self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = (self.logs / f"{name}.log").open("wb")
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        with (self.logs / f"{name}.log").open("wb") as log:  # the child keeps its own copy
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         self.started.append((name, process))
         return process
 
@@ -188,28 +188,11 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
         if client.exists(stream_key(options.run, 0, "traj")):
             raise ConfigError(f"run {options.run!r} already has data in {redis_url}; "
                               "pick another --run or an empty Redis")
-        reward = out / "reward.yaml"
-        reward.write_text(DEMO_REWARD)
         env = {**os.environ, "ROLLQ_REDIS_URL": redis_url, "ROLLQ_RUN": options.run,
                "ROLLQ_LOG_FORMAT": "json"}
-        python = sys.executable
-        processes.start("scorer", [python, "-m", "ops.cli", "score", "--reward-config",
-                                   str(reward), "--processes", "1"], env)
-        processes.start("workers", [
-            python, "-m", "ops.cli", "workers", "--env", "gsm8k", "--inference", inference,
-            "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
-            "--concurrency", str(options.batch_groups)], env)
-        processes.start("feeder", [
-            python, "-m", "ops.cli", "feed", "--env", "gsm8k", "--epochs", "1000",
-            "--max-staleness", str(options.max_staleness),
-            "--batch-groups", str(options.batch_groups)], env)
+        start_roles(processes, options, inference, env)
         metrics = out / "metrics.jsonl"
-        trainer = [python, str(EXAMPLE_TRAINER), "--model", str(model), "--inference", inference,
-                   "--out", str(out / "trainer"), "--steps", str(options.steps),
-                   "--batch-groups", str(options.batch_groups), "--lr", str(options.lr),
-                   "--max-staleness", str(options.max_staleness), "--metrics", str(metrics)]
-        if options.flip_advantages:
-            trainer.append("--flip-advantages")
+        trainer = trainer_argv(options, model, inference, out / "trainer", metrics)
         trainer_process = processes.start("trainer", trainer, env)
         _follow(options, processes, trainer_process, client, metrics, say)
         steps = _read_metrics(metrics)
@@ -228,6 +211,34 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
         result.plot = plot_rewards(steps, out / "reward.png", title)
     _write_summary(result, options)
     return result
+
+
+def start_roles(processes: Processes, options: DemoOptions, inference: str,
+                env: dict[str, str]) -> None:
+    """Start the scorer, a worker pool and the feeder for ``options.run``."""
+    reward = processes.logs.parent / "reward.yaml"
+    reward.write_text(DEMO_REWARD)
+    python = sys.executable
+    processes.start("scorer", [python, "-m", "ops.cli", "score", "--reward-config",
+                               str(reward), "--processes", "1"], env)
+    processes.start("workers", [
+        python, "-m", "ops.cli", "workers", "--env", "gsm8k", "--inference", inference,
+        "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
+        "--concurrency", str(options.batch_groups)], env)
+    processes.start("feeder", [
+        python, "-m", "ops.cli", "feed", "--env", "gsm8k", "--epochs", "1000",
+        "--max-staleness", str(options.max_staleness),
+        "--batch-groups", str(options.batch_groups)], env)
+
+
+def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
+                 metrics: Path) -> list[str]:
+    """The example trainer's command line for ``options``."""
+    argv = [sys.executable, str(EXAMPLE_TRAINER), "--model", str(model),
+            "--inference", inference, "--out", str(out), "--steps", str(options.steps),
+            "--batch-groups", str(options.batch_groups), "--lr", str(options.lr),
+            "--max-staleness", str(options.max_staleness), "--metrics", str(metrics)]
+    return argv + (["--flip-advantages"] if options.flip_advantages else [])
 
 
 def _follow(options: DemoOptions, processes: Processes, trainer: subprocess.Popen[bytes],
