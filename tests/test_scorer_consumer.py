@@ -1,0 +1,176 @@
+"""The scoring consumer end to end: real Redis, real `rollq score` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from ops.cli import Exit, main
+from ops.roles import run_scorer
+from ops.settings import ScorerSettings
+from producers.publisher import Publisher
+from schemas import decode_dead, decode_scored
+from schemas.keys import counters_key, stream_key
+from tests.factories import make_group
+from tests.redis_server import RedisServer
+
+RUN = "scoring"
+GSM8K = """\
+components:
+  - name: accuracy
+    component: accuracy
+    settings: {kind: gsm8k}
+  - name: format
+    component: format
+    weight: 0.5
+    settings: {preset: think}
+advantages: {method: grpo, zero_variance: drop}
+pool: {workers: 1}
+"""
+TEXTS = ["<think>\\n6 times 7</think>#### 42", "#### 41", "<think>x</think>no", "#### 42"]
+
+
+async def publish(redis: aioredis.Redis, count: int, prefix: str = "g") -> None:
+    publisher = Publisher(redis, RUN)
+    for i in range(count):
+        await publisher.publish(make_group(run=RUN, group_id=f"{prefix}{i}", texts=TEXTS,
+                                           metadata={"answer": "42"}))
+
+
+async def test_scorer_scores_forwards_and_dead_letters(
+    real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    config = tmp_path / "reward.yaml"
+    config.write_text(GSM8K.replace("\\\\", "\\"))
+    await publish(real_redis, 3)
+    await Publisher(real_redis, RUN).publish(make_group(run=RUN, group_id="no-gold",
+                                                        metadata={"question": "?"}))
+    await Publisher(real_redis, RUN).publish(make_group(run=RUN, group_id="flat",
+                                                        texts=["#### 1"] * 4,
+                                                        metadata={"answer": "42"}))
+    settings = ScorerSettings(redis_url=redis_server.url, run=RUN, reward_config=config,
+                              processes=1)
+    stage = await run_scorer(settings, asyncio.Event(), burst=True)
+    assert (stage.forwarded, stage.dropped, stage.dead_lettered) == (3, 1, 1)
+    scored = [decode_scored(f) for _, f in await real_redis.xrange(stream_key(RUN, 0, "scored"))]
+    group = scored[0]
+    assert [s.components["accuracy"] for s in group.scores] == [1.0, 0.0, 0.0, 1.0]
+    assert [s.components["format"] for s in group.scores] == [1.0, 0.0, 1.0, 0.0]
+    assert [s.reward for s in group.scores] == [1.5, 0.0, 0.5, 1.0]
+    assert group.scores[0].advantage > group.scores[3].advantage > group.scores[1].advantage
+    assert group.weights == {"accuracy": 1.0, "format": 0.5}
+    (dead,) = [decode_dead(f) for _, f in await real_redis.xrange(stream_key(RUN, 0, "dead"))]
+    assert dead.reason == "reward_missing_field" and "'answer'" in dead.detail
+    counters = await real_redis.hgetall(counters_key(RUN, 0))
+    assert counters[b"drop:zero_variance"] == b"1" and counters[b"scored"] == b"3"
+
+
+async def test_killed_scorer_entries_are_reclaimed_and_forwarded_once(
+    real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Scorer A takes entries and hangs in a reward; it is killed. Scorer B reclaims them."""
+    hanging = tmp_path / "hang.yaml"
+    hanging.write_text("components:\n  - name: nap\n"
+                       "    component: tests.scorer.custom_components:Nap\n"
+                       "    settings: {seconds: 60}\n    timeout_s: 120\n"
+                       "advantages: {zero_variance: keep}\npool: {workers: 1}\n")
+    publisher = Publisher(real_redis, RUN)
+    for i in range(12):
+        await publisher.publish(make_group(run=RUN, group_id=f"nap{i}", texts=["nap"] * 4))
+    environment = {**os.environ, "ROLLQ_REDIS_URL": redis_server.url, "ROLLQ_RUN": RUN,
+                   "ROLLQ_RECLAIM_IDLE_S": "2", "ROLLQ_LOG_FORMAT": "json"}
+    scorer_a = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ops.cli", "score", "--reward-config", str(hanging),
+        "--consumer", "scorer-a", "--concurrency", "16", env=environment,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    for _ in range(300):
+        groups = await real_redis.xinfo_groups(stream_key(RUN, 0, "traj"))
+        if groups and groups[0]["pending"] == 12:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("scorer A never took the entries")
+    scorer_a.send_signal(signal.SIGKILL)
+    await scorer_a.wait()
+    assert await real_redis.xlen(stream_key(RUN, 0, "scored")) == 0
+
+    quick = tmp_path / "quick.yaml"
+    quick.write_text("components:\n  - name: length\n    component: length_bounty\n"
+                     "advantages: {zero_variance: keep}\n")
+    await asyncio.sleep(2.5)  # past reclaim_idle_s
+    settings = ScorerSettings(redis_url=redis_server.url, run=RUN, reward_config=quick,
+                              consumer="scorer-b", reclaim_idle_s=2)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_scorer(settings, stop))
+    for _ in range(100):
+        if await real_redis.xlen(stream_key(RUN, 0, "scored")) >= 12:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    ids = [decode_scored(f).group_id for _, f in await real_redis.xrange(
+        stream_key(RUN, 0, "scored"))]
+    assert sorted(ids) == sorted(f"nap{i}" for i in range(12))  # each exactly once
+    assert (await real_redis.xpending(stream_key(RUN, 0, "traj"), "scorers"))["pending"] == 0
+
+
+async def test_two_scorers_share_the_work(real_redis: aioredis.Redis,
+                                          redis_server: RedisServer) -> None:
+    await publish(real_redis, 40)
+    stops = [asyncio.Event(), asyncio.Event()]
+    tasks = [asyncio.create_task(run_scorer(ScorerSettings(
+        redis_url=redis_server.url, run=RUN, consumer=f"s{i}", processes=1), stops[i]))
+        for i in range(2)]
+    for _ in range(200):
+        if await real_redis.xlen(stream_key(RUN, 0, "scored")) >= 40:
+            break
+        await asyncio.sleep(0.05)
+    for stop in stops:
+        stop.set()
+    stages = await asyncio.gather(*tasks)
+    assert sum(s.forwarded for s in stages) == 40
+    assert all(s.forwarded > 0 for s in stages), "both scorers took a share"
+    assert await real_redis.xlen(stream_key(RUN, 0, "scored")) == 40
+
+
+async def test_rescore_replays_into_another_run(
+    real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await publish(real_redis, 5)
+    await run_scorer(ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1),
+                     asyncio.Event(), burst=True)
+    alternative = tmp_path / "b.yaml"
+    alternative.write_text("components:\n  - name: length\n    component: length_bounty\n"
+                           "    settings: {scale: 10, max: 5}\n"
+                           "advantages: {zero_variance: keep}\n")
+    code = await asyncio.to_thread(main, [
+        "rescore", "--redis-url", redis_server.url, "--run", RUN, "--reward-config",
+        str(alternative), "--into", "scoring-b"], {})
+    assert code == Exit.OK
+    assert "rescored into run 'scoring-b': 5 scored, 0 dropped" in capsys.readouterr().err
+    rescored = [decode_scored(f) for _, f in await real_redis.xrange(
+        stream_key("scoring-b", 0, "scored"))]
+    assert len(rescored) == 5 and all(g.trajectory.run == "scoring-b" for g in rescored)
+    assert list(rescored[0].scores[0].components) == ["length"]
+    assert rescored[0].scores[0].reward == pytest.approx(len(TEXTS[0].replace("\\\\", "\\")) / 10)
+    assert await real_redis.xlen(stream_key(RUN, 0, "scored")) == 5  # the original is untouched
+
+
+def test_score_with_a_bad_config_fails_at_start_up(
+    tmp_path: Path, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("components:\n  - name: r\n    component: repetition\n"
+                      "    settings: {max_penalty: 1.0}\n")
+    assert main(["score", "--redis-url", redis_server.url, "--run", RUN, "--reward-config",
+                 str(config), "--burst"], {}) == Exit.CONFIG
+    err = capsys.readouterr().err
+    assert "max_penalty" in err
