@@ -488,6 +488,10 @@ async def bench_vllm(args: argparse.Namespace, redis_url: str, python: str) -> f
           f"{median_of(r.worker_cpu_s for r in runs):.2f}"]
          for name, runs in results.items()],
         title=f"same {args.items} requests direct vs through rollq, median of {args.vllm_runs}")
+    paired = [r.tokens_per_s / d.tokens_per_s
+              for d, r in zip(results["direct"], results["rollq"], strict=True)]
+    print(f"per-pair rollq/direct: {' '.join(f'{x:.2f}' for x in paired)} "
+          f"(median {median_of(paired):.2f}; pairs ran back to back, so drift cancels)\n")
     return medians["rollq"] / medians["direct"]
 
 
