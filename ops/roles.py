@@ -17,7 +17,6 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import structlog
-from producers.envs.registry import make_env
 
 from consumers.bus import ReaderSettings, StreamReader, append_entries, read_range
 from consumers.scorer.bridge import RewardBridge
@@ -26,6 +25,7 @@ from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
 from ops.settings import FeederSettings, ReaderTuning, ScorerSettings, WorkerSettings
 from producers.envs.base import Env
+from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
