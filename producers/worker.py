@@ -118,6 +118,7 @@ def build_worker(
     partitions: int = 1,
     burst: bool = False,
     grace_s: int = 30,
+    poll_s: float = 0.02,
     transport: Any = None,
 ) -> Worker:
     """An arq ``Worker`` that runs rollout jobs of ``run``; ``await worker.main()`` runs it,
@@ -165,7 +166,7 @@ def build_worker(
         health_check_key=run_key(run, "workers:health"),
         health_check_interval=10,
         burst=burst,
-        poll_delay=0.05,
+        poll_delay=poll_s,  # a finished job's slot waits up to this long for the next job
         job_completion_wait=grace_s,
         handle_signals=not burst,
         keep_result=24 * 3600,  # job ids stay known for a day: re-enqueueing is a no-op

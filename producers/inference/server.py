@@ -7,6 +7,7 @@ and pause waiting are the pool's business; a call here is exactly one HTTP reque
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from typing import Any
 
@@ -152,7 +153,7 @@ class InferenceServer:
             raise InferenceUnavailable(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
         status = response.status_code
         try:
-            payload = orjson.loads(response.content) if response.content else None
+            payload = _loads(response.content) if response.content else None
         except orjson.JSONDecodeError as exc:
             if response.is_success:
                 raise InferenceUnavailable(f"{method} {url}: truncated JSON body") from exc
@@ -164,3 +165,16 @@ class InferenceServer:
             error = PromptTooLongError if param == "input_tokens" else InferenceRequestError
             raise error(message, status=status, param=param)
         raise InferenceUnavailable(f"{method} {url} answered {status}: {message}")
+
+
+def _loads(body: bytes) -> Any:
+    """orjson.loads with the cyclic garbage collector paused: a 8 × 1,024-token reply makes
+    ~50k objects, and collections triggered while they are built cost 4x the parse (the
+    decoded JSON has no reference cycles, so pausing loses nothing)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return orjson.loads(body)
+    finally:
+        if enabled:
+            gc.enable()
