@@ -198,6 +198,8 @@ class WorkerPool:
             self._revival_failure = task.exception()
 
     def _retire(self, worker: _Worker) -> None:
+        if worker not in self._workers:  # already retired (a failed start, then shutdown)
+            return
         self._workers.discard(worker)
         worker.process.kill()
         # SIGKILL makes the join immediate; it only reaps the zombie.
