@@ -15,12 +15,13 @@ if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
-if [ ! -x .venv/bin/rollq ] || ! .venv/bin/python -c "import torch, transformers, fakeredis" 2>/dev/null; then
-  echo "setup: creating .venv (rollq + dev + train extras)"
-  [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+echo "setup: .venv (rollq + dev + train extras)"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[dev,train]"
 fi
+# Always run: a no-op in seconds when everything is installed, and it picks up new deps.
+.venv/bin/python -m pip install --quiet -e ".[dev,train]"
 
 if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
   echo "setup: vLLM CPU environment (.venv-vllm)"
