@@ -7,12 +7,11 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     stream before the clock starts; a ``TrainerClient`` then calls
     ``next_batch(groups=8)`` + ``batch.ack()`` until the 64 are trained, and the buffer is
     refilled (new group ids, stream trimmed) for the next round. One sample = one
-    ``next_batch`` call: whatever it does (XREADGROUP of up to ``read_count`` entries,
-    decode, dedup check, padding the 8 groups into the numpy arrays). With the default
-    ``read_count`` (64) one call in eight reads and decodes the whole buffer and the other
-    seven only pad from the client's queue, so both kinds are shown; a ``read_count=8``
-    row shows the same work spread evenly. ``ack`` (ledger record + counted acks) is timed
-    apart. Target: p99 <= 25 ms.
+    ``next_batch`` call: whatever it does (XREADGROUP of the groups the batch still lacks,
+    at most ``read_count``; decode, dedup check, padding the 8 groups into the numpy
+    arrays). Calls that read and calls served from the client's queue alone are shown
+    apart; a ``read_count=8`` row is the control. ``ack`` (ledger record + counted acks)
+    is timed apart. Target: p99 <= 25 ms.
 
 (b) end-to-end bus, groups/s, all roles concurrently on one asyncio loop, each on its own
     client (as bench/bus.py): ``Publisher.publish`` one group at a time -> a ``Stage`` with
@@ -25,6 +24,13 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     zero Python work, for context). Default shape: 8 completions x 64 tokens, ~120 B of
     text each (targets: >= 1,500 groups/s and >= 0.35 of raw); then 16 x 2048 for context.
 
+    ``--processes`` adds the same runs with each role in its own OS process (spawn), as
+    rollq is deployed: ``rollq/procs`` (publisher | scorer stage | trainer) against
+    ``raw/procs`` (producer | consumer). Every process sets up (clients, consumer groups,
+    payloads, a warm-up of its codec path) and reports ready; then all start at once. Wall
+    runs from the first publish (XADD) to the last ack (``time.monotonic``, system-wide
+    on Linux); client CPU is the sum of the role processes' CPU time.
+
 Run from the repository root:  python -m bench.trainer  [--runs 3 ...]
 """
 
@@ -33,21 +39,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import multiprocessing
 import os
+import queue
 import sys
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.bus import Result, run_raw
+from bench.bus import RAW_TRAJ, Result, _raw_consume, run_raw
 from bench.common import BenchRedis, median_of, print_table
 from bench.scorer import make_completion_text, make_problem
-from consumers.bus import ReaderSettings, StreamReader
+from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
@@ -293,9 +302,175 @@ class Shape:
         return f"{self.group_size}x{self.seq_len}"
 
 
+# ------------------------------------------------------------ (b) one OS process per role
+
+
+@dataclass(frozen=True)
+class RoleJob:
+    """What one role process of a ``--processes`` run does (pickled to a spawned child)."""
+
+    role: str
+    """``publish``, ``score`` or ``train`` (rollq); ``produce`` or ``consume`` (raw)."""
+    url: str
+    shape: Shape
+    batch_groups: int
+    read_batch: int
+
+
+class _StageUntil(Stage):
+    """A ``Stage`` that sets ``done`` once it has forwarded ``total`` entries."""
+
+    def __init__(self, total: int, done: asyncio.Event, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.total = total
+        self.done = done
+
+    async def process(self, deliveries: list[Delivery]) -> None:
+        await super().process(deliveries)
+        if self.forwarded >= self.total:
+            self.done.set()
+
+
+def _role_main(job: RoleJob, messages: Any, start: Any) -> None:
+    """Entry point of a role process: set up, report ``ready``, wait for ``start``, run,
+    report ``done`` with its figures (or ``error`` with the traceback)."""
+    configure_logging("json", "warning")
+    try:
+        report = asyncio.run(_role(job, messages, start))
+        messages.put(("done", job.role, report))
+    except BaseException:
+        messages.put(("error", job.role, traceback.format_exc()))
+
+
+async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
+    """Run one role; ``first``/``last`` are ``time.monotonic()`` stamps (CLOCK_MONOTONIC is
+    system-wide on Linux, so stamps of different processes compare)."""
+    shape, total = job.shape, job.shape.groups
+    client = _client(job.url)
+    report: dict[str, float] = {}
+    try:
+        if job.role in ("publish", "produce"):
+            groups = make_groups(total, shape.group_size, shape.seq_len, shape.prompt_len,
+                                 shape.short_text)
+            payloads = [encode(g) for g in groups]  # also warms the codec
+            publisher = Publisher(client, RUN)
+            if job.role == "publish":
+                await publisher.register()
+            messages.put(("ready", job.role, None))
+            start.wait()
+            cpu = time.process_time()
+            report["first"] = time.monotonic()
+            if job.role == "publish":
+                for group in groups:
+                    await publisher.publish(group)
+            else:
+                for fields in payloads:
+                    await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
+        elif job.role == "score":
+            config = RewardConfig.from_mapping(REWARD)
+            async with RewardBridge(config) as bridge:
+                scorer = Scorer(bridge, config_fingerprint(config), client)
+                warm = make_groups(1, shape.group_size, shape.seq_len, shape.prompt_len,
+                                   shape.short_text)[0]
+                await scorer.score(warm)
+                reader = StreamReader(client, [TRAJ], "scorers", "scorer-bench",
+                                      ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+                stop = asyncio.Event()
+                stage = _StageUntil(total, stop, reader, scorer, concurrency=SCORER_CONCURRENCY)
+                await reader.ensure_groups()
+                messages.put(("ready", job.role, None))
+                start.wait()
+                cpu = time.process_time()
+                await stage.run(stop)
+        elif job.role == "train":
+            settings = TrainerClientSettings(batch_groups=job.batch_groups, block_ms=100,
+                                             max_staleness=None)
+            rng = np.random.default_rng(1)
+            warm = make_groups(job.batch_groups, shape.group_size, shape.seq_len,
+                               shape.prompt_len, shape.short_text)
+            pad_groups([decode_scored(encode(grpo_scored(g, rng))) for g in warm])
+            async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
+                messages.put(("ready", job.role, None))
+                start.wait()
+                cpu = time.process_time()
+                consumed = 0
+                while consumed < total:
+                    batch = await tc.next_batch(groups=min(job.batch_groups, total - consumed))
+                    await batch.ack()
+                    consumed += len(batch)
+                report["last"] = time.monotonic()
+        elif job.role == "consume":
+            await client.xgroup_create(RAW_TRAJ, "g", id="0", mkstream=True)
+            messages.put(("ready", job.role, None))
+            start.wait()
+            cpu = time.process_time()
+            report["last"] = await _raw_consume(client, RAW_TRAJ, "g", total, job.read_batch)
+        else:
+            raise ValueError(f"unknown role {job.role!r}")
+        report["cpu"] = time.process_time() - cpu
+    finally:
+        await client.aclose()
+    return report
+
+
+@dataclass
+class ProcessesResult(Result):
+    role_cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of each role process over the run."""
+
+
+def run_processes(url: str, shape: Shape, roles: Sequence[str], batch_groups: int,
+                  read_batch: int) -> ProcessesResult:
+    """One spawned process per role; all set up first, then started at once. Wall from the
+    first publish (XADD) to the last ack; CPU summed over the role processes."""
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    start = context.Event()
+    jobs = [RoleJob(role, url, shape, batch_groups, read_batch) for role in roles]
+    processes = [context.Process(target=_role_main, args=(job, messages, start), daemon=True)
+                 for job in jobs]
+    for process in processes:
+        process.start()
+    try:
+        ready, reports = 0, {}
+        while len(reports) < len(jobs):
+            try:
+                kind, role, data = messages.get(timeout=300)
+            except queue.Empty:
+                raise RuntimeError("a role process went silent for 300 s") from None
+            if kind == "error":
+                raise RuntimeError(f"role {role} failed:\n{data}")
+            if kind == "ready":
+                ready += 1
+                if ready == len(jobs):
+                    start.set()
+            else:
+                reports[role] = data
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+    first = min(r["first"] for r in reports.values() if "first" in r)
+    last = max(r["last"] for r in reports.values() if "last" in r)
+    role_cpu = {role: r["cpu"] for role, r in reports.items()}
+    return ProcessesResult(last - first, shape.groups, client_cpu_s=sum(role_cpu.values()),
+                           role_cpu_s=role_cpu)
+
+
+async def run_in_processes(url: str, shape: Shape, roles: Sequence[str], batch_groups: int,
+                           read_batch: int) -> ProcessesResult:
+    client = _client(url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    return await asyncio.to_thread(run_processes, url, shape, roles, batch_groups, read_batch)
+
+
 async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: int,
-              bridge: RewardBridge, config: RewardConfig,
-              profile: str | None) -> dict[str, list[Result]]:
+              bridge: RewardBridge, config: RewardConfig, profile: str | None,
+              processes: bool = False) -> dict[str, list[Result]]:
     groups = make_groups(shape.groups, shape.group_size, shape.seq_len, shape.prompt_len,
                          shape.short_text)
     payloads = [encode(g) for g in groups]
@@ -312,6 +487,11 @@ async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: 
         "raw2hop": lambda: run_raw(url, payloads, read_batch, scored_payloads),
         "rollq": lambda: run_rollq(url, groups, bridge, config, batch_groups),
     }
+    if processes:
+        variants["raw/procs"] = lambda: run_in_processes(url, shape, ("produce", "consume"),
+                                                         batch_groups, read_batch)
+        variants["rollq/procs"] = lambda: run_in_processes(
+            url, shape, ("publish", "score", "train"), batch_groups, read_batch)
     warm = min(len(groups), 64)
     await run_raw(url, payloads[:warm], read_batch, scored_payloads)
     await run_rollq(url, groups[:warm], bridge, config, batch_groups)
@@ -322,12 +502,16 @@ async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: 
             redis_before = await redis_cpu(url)
             cpu_before = time.process_time()
             result = await fn()
-            result.client_cpu_s = time.process_time() - cpu_before
+            if not result.client_cpu_s:  # role processes report their own CPU
+                result.client_cpu_s = time.process_time() - cpu_before
             result.redis_cpu_s = await redis_cpu(url) - redis_before
             results[name].append(result)
-            print(f"  run {run + 1}/{runs} {name:8s} {result.seconds:7.3f} s "
+            print(f"  run {run + 1}/{runs} {name:11s} {result.seconds:7.3f} s "
                   f"{result.groups_per_s:9.1f} groups/s  (cpu: client "
                   f"{result.client_cpu_s:.3f} s, redis {result.redis_cpu_s:.3f} s)", flush=True)
+            if isinstance(result, ProcessesResult):
+                print("      CPU by role: " + ", ".join(
+                    f"{role} {cpu:.3f} s" for role, cpu in result.role_cpu_s.items()), flush=True)
     if profile:
         import cProfile
         import pstats
@@ -363,6 +547,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--read-batch", type=int, default=16,
                         help="(b) raw XREADGROUP COUNT (default 16, as the scorer's)")
     parser.add_argument("--only", choices=["a", "b"], help="run one part only")
+    parser.add_argument("--processes", action="store_true",
+                        help="(b) also run each role in its own OS process (spawn), as "
+                             "deployed: rollq publisher / scorer stage / trainer, and raw "
+                             "producer / consumer")
     parser.add_argument("--profile", metavar="FILE",
                         help="(b) cProfile one extra rollq run per shape, stats to FILE.<shape>")
     return parser.parse_args(argv)
@@ -420,6 +608,11 @@ async def part_a(url: str, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def _baseline(variant: str) -> str:
+    """The raw variant a variant is compared with: per-process runs with per-process raw."""
+    return "raw/procs" if variant.endswith("/procs") else "raw"
+
+
 async def part_b(url: str, args: argparse.Namespace) -> list[str]:
     config = RewardConfig.from_mapping(REWARD)
     shapes = [Shape(args.group_size, args.seq_len, 32, True, args.groups)]
@@ -429,7 +622,7 @@ async def part_b(url: str, args: argparse.Namespace) -> list[str]:
     async with RewardBridge(config) as bridge:
         for shape in shapes:
             results = await e2e(url, shape, args.runs, args.batch_groups, args.read_batch,
-                                bridge, config, args.profile)
+                                bridge, config, args.profile, args.processes)
             print()
             medians = {name: median_of(r.groups_per_s for r in runs)
                        for name, runs in results.items()}
@@ -437,24 +630,29 @@ async def part_b(url: str, args: argparse.Namespace) -> list[str]:
                 name,
                 " ".join(f"{r.groups_per_s:.0f}" for r in runs),
                 medians[name],
-                f"{medians[name] / medians['raw']:.2f}",
-                median_of(r.client_cpu_s / r.groups * 1e3 for r in runs),
-                median_of(r.redis_cpu_s / r.groups * 1e3 for r in runs),
+                f"{medians[name] / medians[_baseline(name)]:.2f}",
+                f"{median_of(r.client_cpu_s / r.groups * 1e3 for r in runs):.3f}",
+                f"{median_of(r.redis_cpu_s / r.groups * 1e3 for r in runs):.3f}",
             ] for name, runs in results.items()]
-            print_table(["variant", "groups/s per run", "median groups/s", "vs raw",
+            print_table(["variant", "groups/s per run", "median groups/s", "vs raw*",
                          "client CPU ms/group", "redis CPU ms/group"], rows,
                         title=f"(b) end-to-end bus, {shape.label} groups, {shape.groups} "
-                              f"per run, median of {args.runs} runs")
-            ratio = medians["rollq"] / medians["raw"]
-            line = (f"(b) {shape.label}: rollq {medians['rollq']:,.0f} groups/s, raw "
-                    f"{medians['raw']:,.0f} groups/s, ratio {ratio:.2f}")
-            if shape.short_text:
-                ok = medians["rollq"] >= TARGET_GROUPS_PER_S and ratio >= TARGET_RATIO
-                line += (f" (targets >= {TARGET_GROUPS_PER_S:,.0f} groups/s and >= "
-                         f"{TARGET_RATIO} of raw) {'OK' if ok else 'BELOW TARGET'}")
-            else:
-                line += " (context)"
-            lines.append(line)
+                              f"per run, median of {args.runs} runs (*: /procs variants "
+                              "against raw/procs; their CPU is summed over the processes)")
+            for suffix, where in (("", "one process"), ("/procs", "a process per role")):
+                if "rollq" + suffix not in medians:
+                    continue
+                rollq, raw = medians["rollq" + suffix], medians["raw" + suffix]
+                ratio = rollq / raw
+                line = (f"(b) {shape.label}, {where}: rollq {rollq:,.0f} groups/s, raw "
+                        f"{raw:,.0f} groups/s, ratio {ratio:.2f}")
+                if shape.short_text:
+                    ok = rollq >= TARGET_GROUPS_PER_S and ratio >= TARGET_RATIO
+                    line += (f" (targets >= {TARGET_GROUPS_PER_S:,.0f} groups/s and >= "
+                             f"{TARGET_RATIO} of raw) {'OK' if ok else 'BELOW TARGET'}")
+                else:
+                    line += " (context)"
+                lines.append(line)
     return lines
 
 

@@ -22,7 +22,9 @@ vllm     A real CPU vLLM server (``ops.stack.VllmProcess``, the tiny model of
          rollq   enqueue the items, run one worker; tokens/s = completion tokens found in
                  the traj stream / wall (as above: start-up done to last XADD).
          Interleaved (direct, rollq, direct, rollq...), ``--vllm-runs`` each; the figure is the
-         ratio of the medians rollq/direct. On a small machine the worker shares the CPU
+         ratio of the medians rollq/direct (the median of the back-to-back pair ratios is
+         printed too: it cancels slow drift). Per rollq run, "slots busy" is the share of
+         concurrency x wall spent inside jobs. On a small machine the worker shares the CPU
          with vLLM, so the ratio includes what the worker's CPU takes from the server.
 
 The vLLM interpreter comes from ``--vllm-python`` or ``ROLLQ_TEST_VLLM_PYTHON``; without one
@@ -239,6 +241,10 @@ class Run:
     worker_cpu_s: float = float("nan")
     server_cpu_s: float = float("nan")
     redis_cpu_s: float = float("nan")
+    busy: float = float("nan")
+    """Share of the worker's job slots (concurrency x wall) spent inside a job (group
+    ``created_at`` to ``finished_at``); the rest is arq picking jobs up, acking, and idling
+    until its next poll."""
 
     @property
     def completions_per_s(self) -> float:
@@ -323,8 +329,10 @@ async def run_rollq(redis_url: str, inference_url: str, run: str, jobs: int, *,
                                f"{jobs} jobs enqueued")
         last_ms = int(entries[-1][0].split(b"-")[0])
         groups = [decode_trajectory(fields) for _, fields in entries]
+        seconds = last_ms / 1000 - marks["ready"]
+        in_jobs = sum(g.finished_at - g.created_at for g in groups)
         return Run(
-            seconds=last_ms / 1000 - marks["ready"], groups=len(groups),
+            seconds=seconds, groups=len(groups), busy=in_jobs / (concurrency * seconds),
             completions=sum(len(g.completions) for g in groups),
             tokens=sum(g.num_tokens for g in groups),
             worker_cpu_s=worker_cpu, redis_cpu_s=redis_cpu_s,
@@ -475,7 +483,9 @@ async def bench_vllm(args: argparse.Namespace, redis_url: str, python: str) -> f
                     results[name].append(result)
                     print(f"run {run + 1}/{args.vllm_runs} {name:6s}: {result.seconds:6.3f} s  "
                           f"{result.tokens:,} tokens  {result.tokens_per_s:8.1f} tokens/s  "
-                          f"(client/worker cpu {result.worker_cpu_s:.2f} s)", flush=True)
+                          f"(client/worker cpu {result.worker_cpu_s:.2f} s"
+                          + ("" if name == "direct" else f", slots busy {result.busy:.0%}")
+                          + ")", flush=True)
         finally:
             vllm.stop()
     print()

@@ -8,14 +8,16 @@ Delivery rules (DESIGN.md §3):
   never acked (after a restart); ``reclaim`` takes over entries another consumer left
   pending longer than ``reclaim_idle_ms``.
 - An entry delivered more than ``max_deliveries`` times is dead-lettered, not processed again.
-- ``forward`` is exactly-once: in one MULTI/EXEC it XADDs the new entry and then runs a small
-  script that XACKs the source entry; XACK returns 1 only to the first acker, and when it
-  returns 0 the script deletes the entry just added. EXEC is atomic, so no reader ever sees
-  that copy: of two consumers racing on a reclaimed entry exactly one forwards it. The
-  payload stays out of Lua on purpose: copying a 0.5 MB group into script arguments cost
-  Redis 7.0 three times the CPU of the XADD itself (bench/bus.py).
-- ``dead_letter``, ``drop`` and ``ack_counted`` run one script that acks and, for the first
-  acker only, counts (and, for dead letters, adds the letter). Every count is exact.
+- ``forward`` is exactly-once: in one MULTI/EXEC it XADDs the new entries and then runs a
+  small script that XACKs their source entries; XACK returns 1 only to the first acker, and
+  for each XACK that returns 0 the script deletes that entry's copy just added. EXEC is
+  atomic, so no reader ever sees such a copy: of two consumers racing on a reclaimed entry
+  exactly one forwards it. ``forward_many`` runs one script per source stream, not one per
+  entry. The payload stays out of Lua on purpose: copying a 0.5 MB group into script
+  arguments cost Redis 7.0 three times the CPU of the XADD itself (bench/bus.py).
+- ``dead_letter``, ``drop`` and ``ack_counted`` run one script (per stream) that acks and
+  counts only the entries this call acked first (and, for dead letters, adds the letter).
+  Every count is exact.
 
 Redis errors are translated here: connection problems become ``BrokerUnavailable``; the
 BUSYGROUP/NOGROUP/NOSCRIPT replies are matched in this module and nowhere else.
@@ -38,27 +40,39 @@ from schemas.keys import DROP_PREFIX, partner_key
 
 T = TypeVar("T")
 
-# KEYS[1] source stream, KEYS[3] counters hash; ARGV[1] group, ARGV[2] entry id, ARGV[3]
-# counter field ('' for none). Acks; counts only when this call's XACK was the first.
+# KEYS[1] source stream, KEYS[2] counters hash; ARGV[1] group, ARGV[2] counter field ('' for
+# none), ARGV[3..] entry ids. Acks them; counts only those this call's XACK acked first.
 _ACK_AND_COUNT = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
-  return 1
+local acked = 0
+for i = 3, #ARGV do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
 end
-return 0
+if acked > 0 and ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[2], ARGV[2], acked) end
+return acked
 """
 
-# Runs inside MULTI right after the caller's XADD of the forwarded entry to KEYS[2], so
-# that entry is the stream's last. Same keys and arguments as above. Not the first acker:
-# delete the entry just added; EXEC is atomic, so no reader can have seen it.
+# Runs inside MULTI right after the caller XADDed one copy per id to KEYS[2], in ARGV
+# order, so those copies are the stream's last entries. KEYS[1] source stream, KEYS[3]
+# counters hash; ARGV[1] group, ARGV[2] counter field ('' for none), ARGV[3..] source ids.
+# Returns 1 per id this call acked first, else 0 — and then deletes that id's copy: EXEC
+# is atomic, so no reader can have seen it. Ranges only when some id lost (rare), as
+# XREVRANGE copies the payloads into Lua.
 _ACK_OR_UNDO = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[3], 1) end
-  return 1
+local n = #ARGV - 2
+local won = {}
+local acked = 0
+for i = 1, n do
+  won[i] = redis.call('XACK', KEYS[1], ARGV[1], ARGV[i + 2])
+  acked = acked + won[i]
 end
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-redis.call('XDEL', KEYS[2], last[1][1])
-return 0
+if acked > 0 and ARGV[2] ~= '' then redis.call('HINCRBY', KEYS[3], ARGV[2], acked) end
+if acked < n then
+  local added = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', n)
+  for i = 1, n do
+    if won[i] == 0 then redis.call('XDEL', KEYS[2], added[n + 1 - i][1]) end
+  end
+end
+return won
 """
 
 # KEYS[1] stream; ARGV[1] retention floor id ('' for none). Trims below the oldest entry some
@@ -149,7 +163,6 @@ class StreamReader:
         self.consumer = consumer
         self.settings = settings or ReaderSettings()
         self._ack_and_count = redis.register_script(_ACK_AND_COUNT)
-        self._ack_or_undo = redis.register_script(_ACK_OR_UNDO)
         self._safe_trim = redis.register_script(_SAFE_TRIM)
         self._empty_reads = 0
         self._last_reclaim = 0.0
@@ -290,17 +303,29 @@ class StreamReader:
         """``forward`` for several entries in one round trip (one MULTI/EXEC)."""
         if not items:
             return []
+        by_stream: dict[str, list[int]] = {}
+        for index, (delivery, _) in enumerate(items):
+            by_stream.setdefault(delivery.stream, []).append(index)
         async with translated_errors("forwarding"):
             pipe = self.redis.pipeline(transaction=True)
-            for delivery, fields in items:
-                target = partner_key(delivery.stream, destination)
-                pipe.xadd(target, fields)  # type: ignore[arg-type]
-                await self._ack_or_undo(
-                    keys=[delivery.stream, target, partner_key(delivery.stream, "counters")],
-                    args=[self.group, delivery.entry_id, counter], client=pipe)
+            for stream, indices in by_stream.items():
+                target = partner_key(stream, destination)
+                for index in indices:
+                    pipe.xadd(target, items[index][1])  # type: ignore[arg-type]
+                # EVAL, not EVALSHA: a NOSCRIPT error inside MULTI would leave the copies
+                # added, and checking with SCRIPT EXISTS first costs a round trip per call.
+                pipe.eval(_ACK_OR_UNDO, 3, stream, target, partner_key(stream, "counters"),
+                          self.group, counter, *(items[i][0].entry_id for i in indices))
             replies = await pipe.execute()
-        return [_id(replies[i]) if replies[i + 1] == 1 else None
-                for i in range(0, len(replies), 2)]
+        results: list[str | None] = [None] * len(items)
+        position = 0
+        for indices in by_stream.values():
+            won = replies[position + len(indices)]
+            for offset, index in enumerate(indices):
+                if won[offset] == 1:
+                    results[index] = _id(replies[position + offset])
+            position += len(indices) + 1
+        return results
 
     async def drop(self, deliveries: Sequence[Delivery], reason: str) -> int:
         """Ack entries that will not be used and count them under ``drop:<reason>``."""
@@ -308,16 +333,22 @@ class StreamReader:
 
     async def ack_counted(self, deliveries: Sequence[Delivery], counter: str) -> int:
         """Ack entries and count the ones this call acked first under ``counter``."""
-        if not deliveries:
+        by_stream: dict[str, list[str]] = {}
+        for d in deliveries:
+            by_stream.setdefault(d.stream, []).append(d.entry_id)
+        if not by_stream:
             return 0
         async with translated_errors("acking"):
+            if len(by_stream) == 1:
+                [(stream, ids)] = by_stream.items()
+                return int(await self._ack_and_count(keys=[stream, partner_key(stream, "counters")],
+                                                     args=[self.group, counter, *ids]))
+            # EVAL in the pipeline: a registered script would add a SCRIPT EXISTS round trip.
             pipe = self.redis.pipeline(transaction=False)
-            for d in deliveries:
-                await self._ack_and_count(
-                    keys=[d.stream, d.stream, partner_key(d.stream, "counters")],
-                    args=[self.group, d.entry_id, counter], client=pipe)
-            replies = await pipe.execute()
-        return sum(1 for r in replies if r == 1)
+            for stream, ids in by_stream.items():
+                pipe.eval(_ACK_AND_COUNT, 2, stream, partner_key(stream, "counters"),
+                          self.group, counter, *ids)
+            return sum(int(r) for r in await pipe.execute())
 
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str = "") -> bool:
         """Move an entry to the partition's dead stream with the reason and its payload."""

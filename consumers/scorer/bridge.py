@@ -171,19 +171,26 @@ class RewardBridge:
         correctness = self.config.correctness_name()
         first = [(e, c) for e, c in self._components if not c.needs_correctness]
         second = [(e, c) for e, c in self._components if c.needs_correctness]
-        outcomes = dict(zip([e.name for e, _ in first], await asyncio.gather(
-            *(self._run(e, c, groups) for e, c in first)), strict=True))
+        outcomes = await self._run_all(first, groups)
         if second and correctness is not None:
             groups = [[dataclasses.replace(sample, correct=_is_correct(score))
                        for sample, score in zip(group, scores, strict=True)]
                       for group, scores in zip(groups, outcomes[correctness].scores, strict=True)]
-        outcomes |= dict(zip([e.name for e, _ in second], await asyncio.gather(
-            *(self._run(e, c, groups) for e, c in second)), strict=True))
+        outcomes |= await self._run_all(second, groups)
         for outcome in outcomes.values():
             if outcome.fatal is not None:
                 raise outcome.fatal
         outcomes = {entry.name: outcomes[entry.name] for entry, _ in self._components}
         return [self._assemble(index, group, outcomes) for index, group in enumerate(groups)]
+
+    async def _run_all(self, components: Sequence[tuple[ComponentEntry, RewardComponent[Any]]],
+                       groups: Sequence[Sequence[Sample]]) -> dict[str, _Outcome]:
+        """Run components concurrently; when all are inline (they never yield), one after
+        the other, as a task per component would only add scheduling."""
+        if all(self._placement(e, c) == "inline" for e, c in components):
+            return {e.name: await self._run(e, c, groups) for e, c in components}
+        return dict(zip([e.name for e, _ in components], await asyncio.gather(
+            *(self._run(e, c, groups) for e, c in components)), strict=True))
 
     def _check_fields(self, groups: Sequence[Sequence[Sample]]) -> None:
         for entry, component in self._components:
@@ -310,7 +317,7 @@ def _checked(score: Score, length: int) -> Score:
     if score.token_rewards is not None and len(score.token_rewards) != length:
         raise RewardError("bad_token_rewards", f"{len(score.token_rewards)} token rewards "
                           f"for {length} tokens")
-    if score.value is not None:
+    if score.value is not None and type(score.value) is not float:  # int, numpy scalar
         return dataclasses.replace(score, value=float(score.value))
     return score
 

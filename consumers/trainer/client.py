@@ -17,8 +17,9 @@ What happens to an entry before it reaches a batch:
 Resume design (checkpoint/resume neither skips nor repeats a group):
 
 - ``batch.ack()`` first records the batch in the run's seen-hash and in this consumer's
-  *trained log* (a Redis stream of ``group_id, stream, entry_id`` in ack order, one MULTI),
-  then acks with ``ack_counted(..., "consumed")``.
+  *trained log* (a Redis stream, one entry per batch listing its ``group_id, stream,
+  entry_id`` triples, in ack order; one MULTI), then acks with
+  ``ack_counted(..., "consumed")``.
 - ``state()`` (take it after the ``ack`` of the last step in the checkpoint) is the id of
   the last log entry plus the groups still to be replayed from an earlier resume. Batches
   handed out but not acked are not in it: they are not trained, and stay pending.
@@ -173,7 +174,13 @@ class TrainerClient:
             remaining = None if deadline is None else deadline - time.monotonic()
             if full or (remaining is not None and remaining <= 0):
                 break
-            await self._fill(remaining)
+            # Read no more than the batch still needs (by group count; other limits cannot
+            # tell how many groups will fit): decoding far more than one call returns is
+            # what made every few calls slow.
+            wanted = self.settings.read_count
+            if size.groups is not None:
+                wanted = min(wanted, size.groups - count)
+            await self._fill(remaining, wanted)
         chosen = [self._queue.popleft() for _ in range(count)]
         return build_batch([h.group for h in chosen],
                            [EntryRef(*h.ref) for h in chosen], self, self.settings.pad_token_id)
@@ -291,8 +298,9 @@ class TrainerClient:
         self._last_reclaim = time.monotonic()
         await self._admit(await self.reader.reclaim())
 
-    async def _fill(self, remaining_s: float | None) -> None:
-        """One read: abandoned entries when due, else new ones (blocking, bounded)."""
+    async def _fill(self, remaining_s: float | None, count: int) -> None:
+        """One read: abandoned entries when due, else up to ``count`` new ones (blocking,
+        bounded)."""
         s = self.settings
         if time.monotonic() - self._last_reclaim >= s.reclaim_every_s:
             self._last_reclaim = time.monotonic()
@@ -302,7 +310,7 @@ class TrainerClient:
                 return
         block_ms = s.block_ms if remaining_s is None else min(s.block_ms, int(remaining_s * 1000))
         started = time.monotonic()
-        deliveries = await self.reader.read(count=s.read_count, block_ms=block_ms)
+        deliveries = await self.reader.read(count=count, block_ms=block_ms)
         if deliveries:
             self._empty_reads = 0
             await self._admit(deliveries)

@@ -125,75 +125,89 @@ class PackedBatch(_PerSequence):
         return arrays_to_torch(array_fields(self), device)
 
 
-def _sequences(groups: Sequence[ScoredGroup]) -> tuple[list[list[np.ndarray[Any, Any]]],
-                                                         _PerSequence]:
-    rows: list[list[np.ndarray[Any, Any]]] = []
-    rewards, advantages, index, prompt_lengths = [], [], [], []
+def _per_sequence(groups: Sequence[ScoredGroup]) -> _PerSequence:
+    rewards, advantages, index, prompt_lengths, lengths = [], [], [], [], []
     for g, group in enumerate(groups):
-        prompt = group.trajectory.prompt_ids
-        p = len(prompt)
+        p = len(group.trajectory.prompt_ids)
         for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
-            rows.append([
-                np.concatenate([prompt, completion.completion_ids]).astype(np.int64),
-                np.concatenate([np.zeros(p, np.float32), completion.loss_mask]),
-                np.concatenate([np.zeros(p, np.float32), score.token_advantages]),
-                np.concatenate([np.zeros(p, np.float32), completion.logprobs]),
-                np.concatenate([np.full(p, NO_VERSION, np.int32), completion.versions]),
-            ])
             rewards.append(score.reward)
             advantages.append(score.advantage)
             index.append(g)
             prompt_lengths.append(p)
-    per_sequence = _PerSequence(
+            lengths.append(p + len(completion.completion_ids))
+    return _PerSequence(
         rewards=np.asarray(rewards, np.float32),
         sequence_advantages=np.asarray(advantages, np.float32),
         group_index=np.asarray(index, np.int64),
         prompt_lengths=np.asarray(prompt_lengths, np.int64),
-        lengths=np.asarray([len(row[0]) for row in rows], np.int64),
+        lengths=np.asarray(lengths, np.int64),
     )
-    return rows, per_sequence
 
 
-_DTYPES = (np.int64, np.float32, np.float32, np.float32, np.int32)
+def _write_tokens(groups: Sequence[ScoredGroup], starts: Sequence[int], ids: Int64Array,
+                  loss: Float32Array, advantages: Float32Array, logprobs: Float32Array,
+                  versions: Int32Array) -> None:
+    """Write each sequence's tokens into flat arrays from its offset in ``starts``.
+
+    Only prompt ids and the completion span are written: the arrays must already hold the
+    prompt values of the other arrays (0.0, and NO_VERSION for ``versions``). Writing
+    straight into the output, rather than concatenating per-sequence rows first, halves
+    the memory traffic of a batch of long sequences.
+    """
+    i = 0
+    for group in groups:
+        prompt = group.trajectory.prompt_ids
+        p = len(prompt)
+        for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
+            start = starts[i]
+            begin = start + p
+            end = begin + len(completion.completion_ids)
+            ids[start:begin] = prompt
+            ids[begin:end] = completion.completion_ids
+            loss[begin:end] = completion.loss_mask
+            advantages[begin:end] = score.token_advantages
+            logprobs[begin:end] = completion.logprobs
+            stored = completion.token_versions
+            versions[begin:end] = completion.policy_version if stored is None else stored
+            i += 1
 
 
 def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedArrays:
     """Build the padded layout of ``groups``: their sequences in order, right-padded."""
-    rows, per_sequence = _sequences(groups)
-    b = len(rows)
-    t = int(per_sequence.lengths.max()) if b else 0
-    fills = (pad_token_id, 0.0, 0.0, 0.0, NO_VERSION)
-    out = [np.full((b, t), fill, dtype) for fill, dtype in zip(fills, _DTYPES, strict=True)]
-    attention = np.zeros((b, t), np.int64)
-    positions = np.zeros((b, t), np.int64)
-    for i, row in enumerate(rows):
-        n = len(row[0])
-        for target, values in zip(out, row, strict=True):
-            target[i, :n] = values
-        attention[i, :n] = 1
-        positions[i, :n] = np.arange(n)
-    return PaddedArrays(**_fields(per_sequence), input_ids=out[0], attention_mask=attention,
-                        position_ids=positions, loss_mask=out[1], advantages=out[2],
-                        sampler_logprobs=out[3], versions=out[4])
+    per_sequence = _per_sequence(groups)
+    lengths = per_sequence.lengths
+    b = len(lengths)
+    t = int(lengths.max()) if b else 0
+    ids = np.full((b, t), pad_token_id, np.int64)
+    loss, advantages, logprobs = (np.zeros((b, t), np.float32) for _ in range(3))
+    versions = np.full((b, t), NO_VERSION, np.int32)
+    _write_tokens(groups, range(0, b * t, t or 1), ids.reshape(-1), loss.reshape(-1),
+                  advantages.reshape(-1), logprobs.reshape(-1), versions.reshape(-1))
+    steps = np.arange(t, dtype=np.int64)
+    real = steps < lengths[:, None]
+    return PaddedArrays(**_fields(per_sequence), input_ids=ids,
+                        attention_mask=real.astype(np.int64),
+                        position_ids=np.where(real, steps, 0), loss_mask=loss,
+                        advantages=advantages, sampler_logprobs=logprobs, versions=versions)
 
 
 def pack_groups(groups: Sequence[ScoredGroup]) -> PackedBatch:
     """Build the packed layout of ``groups``: their sequences in order, back to back."""
-    rows, per_sequence = _sequences(groups)
+    per_sequence = _per_sequence(groups)
     lengths = per_sequence.lengths
-    flat = [
-        np.concatenate([row[k] for row in rows]).astype(dtype, copy=False) if rows
-        else np.zeros(0, dtype)
-        for k, dtype in enumerate(_DTYPES)
-    ]
-    cu_seqlens = np.zeros(len(rows) + 1, np.int32)
+    cu_seqlens = np.zeros(len(lengths) + 1, np.int32)
     np.cumsum(lengths, out=cu_seqlens[1:], dtype=np.int32)
+    n = int(cu_seqlens[-1])
+    ids = np.empty(n, np.int64)  # every position is a prompt or completion token
+    loss, advantages, logprobs = (np.zeros(n, np.float32) for _ in range(3))
+    versions = np.full(n, NO_VERSION, np.int32)
+    _write_tokens(groups, cu_seqlens[:-1].tolist(), ids, loss, advantages, logprobs, versions)
     starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
-    positions = np.arange(int(cu_seqlens[-1]), dtype=np.int64) - starts
-    return PackedBatch(**_fields(per_sequence), input_ids=flat[0], position_ids=positions,
-                       cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()) if len(rows) else 0,
-                       loss_mask=flat[1], advantages=flat[2], sampler_logprobs=flat[3],
-                       versions=flat[4])
+    positions = np.arange(n, dtype=np.int64) - starts
+    return PackedBatch(**_fields(per_sequence), input_ids=ids, position_ids=positions,
+                       cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()) if len(lengths) else 0,
+                       loss_mask=loss, advantages=advantages, sampler_logprobs=logprobs,
+                       versions=versions)
 
 
 def _shift_all(ids: Int64Array, loss: Float32Array, advantages: Float32Array,

@@ -3,8 +3,9 @@ and each consumer's trained log. Consumer-group verbs stay in ``consumers.bus``.
 
     rollq:{<run>}:trainer:seen              hash: group_id -> "<stream> <entry id>" of the
                                             entry that was trained (dedup across restarts)
-    rollq:{<run>}:trainer:log:<consumer>    stream: one entry per group this consumer
-                                            trained, in ack order (group_id, stream, id)
+    rollq:{<run>}:trainer:log:<consumer>    stream: one entry per batch this consumer
+                                            acked, in ack order; its ``entries`` field is
+                                            a JSON list of [group_id, stream, entry id]
 
 Both live under the run's hash tag, so ``record`` updates them in one MULTI.
 """
@@ -16,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import orjson
 import redis.asyncio as aioredis
 
 from consumers.bus import translated_errors
@@ -114,17 +116,16 @@ class Ledger:
         return {g: _text(v) for g, v in zip(group_ids, values, strict=True) if v is not None}
 
     async def record(self, entries: Sequence[TrainedEntry]) -> str | None:
-        """Mark ``entries`` trained (seen-hash) and append them to this consumer's log, in
-        one transaction; returns the last log entry id."""
+        """Mark ``entries`` trained (seen-hash) and append them to this consumer's log as one
+        log entry, in one transaction; returns that log entry's id."""
         if not entries:
             return None
+        listed = orjson.dumps([[e.group_id, e.stream, e.entry_id] for e in entries])
         async with translated_errors("recording trained groups"):
             pipe = self.redis.pipeline(transaction=True)
             pipe.hset(self.seen_key, mapping={e.group_id: e.ref for e in entries})
-            for entry in entries:
-                pipe.xadd(self.log_key(), {"group_id": entry.group_id, "stream": entry.stream,
-                                           "entry_id": entry.entry_id},
-                          maxlen=self.log_max_len, approximate=True)
+            pipe.xadd(self.log_key(), {"entries": listed},
+                      maxlen=self.log_max_len, approximate=True)
             replies = await pipe.execute()
         return _text(replies[-1])
 
@@ -146,7 +147,7 @@ class Ledger:
             if after != "0-0" and not await self.redis.xrange(key, min=after, max=after):
                 raise ResumeError(
                     f"trained log {key} no longer holds checkpoint position {after}: it was "
-                    "trimmed or deleted (raise log_max_len above the groups trained between "
+                    "trimmed or deleted (raise log_max_len above the batches acked between "
                     "checkpoints)"
                 )
             start = after
@@ -156,9 +157,7 @@ class Ledger:
                 if not page:
                     return found
                 for _, fields in page:
-                    found.append(TrainedEntry(_text(fields[b"group_id"]),
-                                              _text(fields[b"stream"]),
-                                              _text(fields[b"entry_id"])))
+                    found += _logged(fields)
                 start = _text(page[-1][0])
 
     async def fetch(self, entries: Sequence[TrainedEntry]) -> list[Fields | None]:
@@ -171,6 +170,18 @@ class Ledger:
                 pipe.xrange(entry.stream, min=entry.entry_id, max=entry.entry_id, count=1)
             replies = await pipe.execute()
         return [dict(reply[0][1]) if reply else None for reply in replies]
+
+
+def _logged(fields: dict[bytes, bytes]) -> list[TrainedEntry]:
+    """The groups of one log entry: a batch, or one group as logs before batching wrote."""
+    if b"entries" not in fields:
+        return [TrainedEntry(_text(fields[b"group_id"]), _text(fields[b"stream"]),
+                             _text(fields[b"entry_id"]))]
+    try:
+        listed = orjson.loads(fields[b"entries"])
+        return [TrainedEntry(str(g), str(s), str(i)) for g, s, i in listed]
+    except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+        raise ResumeError(f"unreadable trained log entry: {exc!r}") from exc
 
 
 def _text(value: bytes | str) -> str:

@@ -29,7 +29,8 @@ class TrainerClientSettings:
     """Longest single blocking read (milliseconds); ``next_batch`` loops until it has
     enough groups or its ``timeout_s`` passes."""
     read_count: int = 64
-    """Most entries taken per read."""
+    """Most entries taken per read; a read for a batch sized by ``groups`` takes no more
+    than the groups it still lacks."""
     reclaim_idle_ms: int = 600_000
     """Entries another trainer left pending this long (milliseconds) are taken over. Keep it
     well above the longest training step: a batch stays pending until ``ack``."""
@@ -42,8 +43,9 @@ class TrainerClientSettings:
     partitions: int = 1
     """Partition count to register when the run does not exist yet (the stored count wins)."""
     log_max_len: int = 1_000_000
-    """Entries kept in each consumer's trained log (approximate cap). Must exceed the groups
-    trained between two checkpoints, or resuming from the older one fails loudly."""
+    """Entries kept in each consumer's trained log, one per acked batch (approximate cap).
+    Must exceed the batches acked between two checkpoints, or resuming from the older one
+    fails loudly."""
 
     def __post_init__(self) -> None:
         positive = ("batch_groups", "read_count", "reclaim_idle_ms", "max_deliveries",
