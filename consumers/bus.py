@@ -163,7 +163,6 @@ class StreamReader:
         self.consumer = consumer
         self.settings = settings or ReaderSettings()
         self._ack_and_count = redis.register_script(_ACK_AND_COUNT)
-        self._safe_trim = redis.register_script(_SAFE_TRIM)
         self._empty_reads = 0
         self._last_reclaim = 0.0
         self._reclaim_cursor = dict.fromkeys(self.streams, "0-0")
@@ -366,19 +365,27 @@ class StreamReader:
         return new_id is not None
 
     async def trim(self, retention_ms: int | None = None) -> int:
-        """Trim every stream below the oldest entry some consumer group still needs.
+        """``trim_streams`` over this reader's streams."""
+        return await trim_streams(self.redis, self.streams, retention_ms)
 
-        ``retention_ms`` keeps acknowledged entries younger than that for replay (rescore).
-        Returns the number of entries removed.
-        """
-        floor = ""
-        if retention_ms is not None:
-            floor = f"{max(0, int(time.time() * 1000) - retention_ms)}-0"
-        removed = 0
-        async with translated_errors("trimming"):
-            for stream in self.streams:
-                removed += int(await self._safe_trim(keys=[stream], args=[floor]))
-        return removed
+
+async def trim_streams(redis: aioredis.Redis, streams: Sequence[str],
+                       retention_ms: int | None = None) -> int:
+    """Trim streams below the oldest entry some consumer group still needs.
+
+    Safe from any process: each group's floor is its oldest pending or first unread entry,
+    read in the same script as the XTRIM. ``retention_ms`` also keeps acknowledged entries
+    younger than that, for replay (rescore, trainer resume). A stream without consumer
+    groups is left alone. Returns the number of entries removed.
+    """
+    floor = ""
+    if retention_ms is not None:
+        floor = f"{max(0, int(time.time() * 1000) - retention_ms)}-0"
+    removed = 0
+    async with translated_errors("trimming"):
+        for stream in streams:
+            removed += int(await redis.eval(_SAFE_TRIM, 1, stream, floor))
+    return removed
 
 
 async def follow(

@@ -18,7 +18,13 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import ReaderSettings, StreamReader, append_entries, read_range
+from consumers.bus import (
+    ReaderSettings,
+    StreamReader,
+    append_entries,
+    read_range,
+    trim_streams,
+)
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
@@ -106,8 +112,11 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                 if deliveries:
                     await stage.process(deliveries)
                 if time.monotonic() - trimmed_at > trim_every_s:
+                    # Both streams of the run: nothing unacked is ever trimmed, so the
+                    # scorers can keep the trainer's stream in bounds too.
                     trimmed_at = time.monotonic()
-                    await reader.trim(retention_ms=int(settings.retention_s * 1000))
+                    await trim_streams(redis, [*reader.streams, *stream_keys(
+                        settings.run, partitions, "scored")], int(settings.retention_s * 1000))
             log.info("scorer_stopped", forwarded=stage.forwarded, dropped=stage.dropped,
                      dead_lettered=stage.dead_lettered)
             return stage

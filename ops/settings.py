@@ -63,8 +63,10 @@ class ReaderTuning(CommonSettings):
     """Entries pending longer than this (seconds) are taken over from a dead consumer."""
     max_deliveries: int = Field(default=5, ge=1)
     """Deliveries after which an entry is dead-lettered."""
-    retention_s: float = Field(default=0.0, ge=0)
-    """Keep acknowledged entries this long (seconds) for replay before trimming them."""
+    retention_s: float = Field(default=3600.0, ge=0)
+    """Keep acknowledged entries this long (seconds) before trimming them: raw groups for
+    ``rollq rescore``, scored groups for a trainer resuming from a checkpoint (keep it above
+    the checkpoint interval). Unacknowledged entries are never trimmed."""
 
 
 class ScorerSettings(ReaderTuning):

@@ -174,3 +174,31 @@ def test_score_with_a_bad_config_fails_at_start_up(
                  str(config), "--burst"], {}) == Exit.CONFIG
     err = capsys.readouterr().err
     assert "max_penalty" in err
+
+
+async def test_scorer_trims_acked_entries_of_both_streams(
+    real_redis: aioredis.Redis, redis_server: RedisServer
+) -> None:
+    await publish(real_redis, 4)
+    scored_key = stream_key(RUN, 0, "scored")
+    await real_redis.xgroup_create(scored_key, "trainer", id="0", mkstream=True)
+    stop = asyncio.Event()
+    settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, retention_s=0,
+                              block_ms=20)
+    task = asyncio.create_task(run_scorer(settings, stop, trim_every_s=0.05))
+    for _ in range(100):
+        if await real_redis.xlen(scored_key) == 4:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == 0  # scored and acked: trimmed
+    assert await real_redis.xlen(scored_key) == 4  # the trainer has not acked anything yet
+    taken = await real_redis.xreadgroup("trainer", "t", {scored_key: ">"}, count=3)
+    await real_redis.xack(scored_key, "trainer", *[i for i, _ in taken[0][1]])
+    for _ in range(50):
+        if await real_redis.xlen(scored_key) == 1:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    assert await real_redis.xlen(scored_key) == 1  # only the unread group is left
