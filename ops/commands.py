@@ -170,7 +170,7 @@ async def rescore_command(args: argparse.Namespace, environ: Mapping[str, str]) 
 def _env_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", help="env: gsm8k | math | guess | module:attribute [gsm8k]")
     parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="env keyword argument, e.g. path=data.jsonl (repeatable)")
+                        help="env keyword argument, e.g. source=train.jsonl (repeatable)")
 
 
 def _env_options(args: argparse.Namespace) -> dict[str, Any] | None:

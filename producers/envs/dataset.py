@@ -41,6 +41,8 @@ def load_records(source: str | Path, *, split: str = "train", subset: str | None
     ``datasets``), loaded with ``subset``, ``split`` and ``data_files``.
     """
     path = Path(source)
+    if data_files is None and path.suffix in (".jsonl", ".json", ".parquet") and not path.is_file():
+        raise ConfigError(f"dataset file {str(source)!r} does not exist")
     if data_files is None and path.suffix in (".jsonl", ".json") and path.is_file():
         text = path.read_text(encoding="utf-8")
         if text.lstrip().startswith("["):  # a .json array rather than JSON lines
@@ -48,16 +50,20 @@ def load_records(source: str | Path, *, split: str = "train", subset: str | None
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     if data_files is None and path.suffix == ".parquet" and path.is_file():
         try:
-            import pyarrow.parquet as parquet  # type: ignore[import-not-found,unused-ignore]  # optional
+            import pyarrow.parquet as parquet  # optional dependency
         except ImportError as exc:
             raise ConfigError(f"reading {path.name} needs pyarrow: pip install pyarrow") from exc
         return list(parquet.read_table(path).to_pylist())
     try:
-        import datasets  # type: ignore[import-not-found,unused-ignore]  # optional dependency
+        import datasets  # optional dependency
     except ImportError as exc:
         raise ConfigError(f"{str(source)!r} is not a local .jsonl/.parquet file; loading it "
                           "from Hugging Face needs the datasets package") from exc
-    loaded = datasets.load_dataset(str(source), subset, split=split, data_files=data_files)
+    try:
+        loaded = datasets.load_dataset(str(source), subset, split=split, data_files=data_files)
+    except (FileNotFoundError, ValueError, ConnectionError) as exc:
+        # datasets' own errors for a missing name/path, a bad split, or an unreachable hub
+        raise ConfigError(f"cannot load dataset {str(source)!r}: {exc}") from exc
     return [dict(row) for row in loaded]
 
 

@@ -147,3 +147,9 @@ def test_hugging_face_datasets_loading(tmp_path: Path) -> None:
             load_records("json", data_files=str(path))
         pytest.skip("datasets is not installed: only its clear error is tested")
     assert load_records("json", data_files=str(path)) == MATH_ROWS
+
+
+@pytest.mark.parametrize("source", ["missing.jsonl", "missing.parquet", "no/such/dataset"])
+def test_missing_dataset_is_a_config_error(tmp_path: Path, source: str) -> None:
+    with pytest.raises(ConfigError, match=r"does not exist|cannot load dataset"):
+        load_records(tmp_path / source if "." in source else source)
