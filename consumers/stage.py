@@ -77,13 +77,18 @@ class Stage:
 
     async def process(self, deliveries: list[Delivery]) -> None:
         """Transform a batch concurrently, then forward, drop and dead-letter in few trips."""
-        semaphore = asyncio.Semaphore(self.concurrency)
+        if len(deliveries) <= self.concurrency:
+            # The usual case (reads are sized to the concurrency): a semaphore could never
+            # make a transform wait, so none is paid for per delivery.
+            outcomes = await asyncio.gather(*(self._outcome(d) for d in deliveries))
+        else:
+            semaphore = asyncio.Semaphore(self.concurrency)
 
-        async def bounded(delivery: Delivery) -> Outcome | tuple[str, str] | None:
-            async with semaphore:
-                return await self._outcome(delivery)
+            async def bounded(delivery: Delivery) -> Outcome | tuple[str, str] | None:
+                async with semaphore:
+                    return await self._outcome(delivery)
 
-        outcomes = await asyncio.gather(*(bounded(d) for d in deliveries))
+            outcomes = await asyncio.gather(*(bounded(d) for d in deliveries))
         forwards = [(d, o.fields) for d, o in zip(deliveries, outcomes, strict=True)
                     if isinstance(o, Forward)]
         if forwards:
