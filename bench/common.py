@@ -7,87 +7,30 @@ that is removed when it stops.
 
 from __future__ import annotations
 
-import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ops.stack import RedisProcess, free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["BenchRedis", "fmt", "free_port", "median_of", "print_table"]
 
 
-class BenchRedis:
-    """A redis-server on a free loopback port with persistence off; use as a context manager.
+class BenchRedis(RedisProcess):
+    """The embedded redis-server (``ops.stack``) in a temporary directory, persistence off;
+    use as a context manager."""
 
-    ``extra_args`` are appended to the command line (e.g. ``["--io-threads", "2"]``).
-    """
-
-    def __init__(self, extra_args: Sequence[str] = ()) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed (e.g. apt-get install redis-server)")
-        self.binary = binary
-        self.extra_args = list(extra_args)
-        self.port = 0
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> BenchRedis:
+    def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="rollq-bench-redis-")
-        self.port = free_port()
-        self._process = subprocess.Popen(
-            [
-                self.binary,
-                "--port", str(self.port),
-                "--bind", "127.0.0.1",
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", self._dir.name,
-                "--protected-mode", "no",
-                *self.extra_args,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                break
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        super().__init__(Path(self._dir.name))
 
     def stop(self) -> None:
-        if self._process is not None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-            self._process = None
-        if self._dir is not None:
-            self._dir.cleanup()
-            self._dir = None
+        super().stop()
+        self._dir.cleanup()
 
     def version(self) -> str:
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout
