@@ -264,8 +264,12 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
                           "one) or --inference URL --model DIR")
 
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt  # run the demo's clean-up on SIGTERM too
+        print("\ninterrupted: stopping every process the demo started...", flush=True)
+        raise KeyboardInterrupt  # unwinds run_demo through its clean-up
 
+    # The demo runs synchronously inside asyncio.run, whose own SIGINT handler would only
+    # cancel a task that never yields: take both signals back.
+    signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
     options = DemoOptions(
         out=args.out, steps=args.steps, run=args.run or "demo", redis_url=args.redis_url,
