@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.common import BenchRedis, median_of, print_table
+from bench.common import BenchRedis, median_of, print_table, redis_cpu
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.stage import Forward, Stage
 from producers.publisher import Publisher
@@ -283,14 +283,6 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int,
 # -------------------------------------------------------------------------------- memory
 
 
-async def redis_cpu(url: str) -> float:
-    """redis-server's CPU seconds so far (user + sys, all threads)."""
-    client = _client(url)
-    try:
-        info = await client.info("cpu")
-    finally:
-        await client.aclose()
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 async def _used_memory(client: aioredis.Redis) -> int:

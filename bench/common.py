@@ -15,9 +15,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from ops.stack import RedisProcess, free_port
 
-__all__ = ["BenchRedis", "fmt", "free_port", "median_of", "print_table"]
+__all__ = ["BenchRedis", "fmt", "free_port", "median_of", "print_table", "redis_cpu"]
 
 
 class BenchRedis(RedisProcess):
@@ -49,6 +51,16 @@ class BenchRedis(RedisProcess):
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+async def redis_cpu(url: str) -> float:
+    """redis-server's CPU seconds so far (user + sys, all threads)."""
+    client = aioredis.Redis.from_url(url)
+    try:
+        info = await client.info("cpu")
+    finally:
+        await client.aclose()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def median_of(runs: Iterable[float]) -> float:

@@ -54,7 +54,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from bench.bus import RAW_TRAJ, Result, _raw_consume, run_raw
-from bench.common import BenchRedis, median_of, print_table
+from bench.common import BenchRedis, median_of, print_table, redis_cpu
 from bench.scorer import make_completion_text, make_problem
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.scorer.bridge import RewardBridge
@@ -280,13 +280,6 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridg
             await c.aclose()
 
 
-async def redis_cpu(url: str) -> float:
-    client = _client(url)
-    try:
-        info = await client.info("cpu")
-    finally:
-        await client.aclose()
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 @dataclass(frozen=True)

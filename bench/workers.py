@@ -54,7 +54,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
-from bench.common import BenchRedis, free_port, median_of, print_table
+from bench.common import BenchRedis, free_port, median_of, print_table, redis_cpu
 from producers.envs.registry import make_env
 from producers.inference import SamplingParams
 from producers.worker import build_worker, connect_queue, enqueue_rollout
@@ -272,9 +272,6 @@ def _compile_cache(python: str) -> Path | None:
     return cache if cache.is_dir() else None
 
 
-async def redis_cpu(client: aioredis.Redis) -> float:
-    info = await client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 async def run_rollq(redis_url: str, inference_url: str, run: str, jobs: int, *,
@@ -301,7 +298,7 @@ async def run_rollq(redis_url: str, inference_url: str, run: str, jobs: int, *,
             await startup(ctx)
             marks["ready"] = time.time()
             marks["cpu"] = time.process_time()
-            marks["redis_cpu"] = await redis_cpu(client)
+            marks["redis_cpu"] = await redis_cpu(redis_url)
 
         worker.on_startup = timed_startup
         gc.collect()
@@ -320,7 +317,7 @@ async def run_rollq(redis_url: str, inference_url: str, run: str, jobs: int, *,
                     profiler.dump_stats(profile)
                 await worker.close()
         worker_cpu = time.process_time() - marks["cpu"]
-        redis_cpu_s = await redis_cpu(client) - marks["redis_cpu"]
+        redis_cpu_s = await redis_cpu(redis_url) - marks["redis_cpu"]
         key = stream_key(run, 0, "traj")
         entries = await client.xrange(key)
         dead = await client.xlen(stream_key(run, 0, "dead"))
