@@ -93,3 +93,10 @@ def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
         RewardConfig.from_yaml(path)
     with pytest.raises(ConfigError, match="cannot read"):
         RewardConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("component", ["format", "reasoning_steps", "char_fraction"])
+def test_a_regex_that_does_not_compile_is_a_config_error(component: str) -> None:
+    with pytest.raises(ConfigError, match=r"settings\.pattern: invalid regex '\('"):
+        RewardConfig.from_mapping(
+            {"components": [{"name": "x", "component": component, "settings": {"pattern": "("}}]})

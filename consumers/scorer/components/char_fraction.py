@@ -12,9 +12,7 @@ import re
 from collections.abc import Sequence
 from functools import cached_property
 
-from pydantic import field_validator
-
-from consumers.scorer.components.base import ComponentSettings, RewardComponent
+from consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
 from consumers.scorer.sample import Sample
 
 
@@ -22,13 +20,7 @@ class CharFractionSettings(ComponentSettings):
     """Settings of `char_fraction`: `pattern`, a regex matched against each character
     (default `[0-9]`)."""
 
-    pattern: str = "[0-9]"
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        re.compile(value)
-        return value
+    pattern: Regex = "[0-9]"
 
 
 class CharFraction(RewardComponent[CharFractionSettings]):

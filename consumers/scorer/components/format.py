@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from consumers.scorer.components.base import ComponentSettings, RewardComponent
+from consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
 from consumers.scorer.sample import Region, Sample
 
 FORMAT_PRESETS: dict[str, str] = {
@@ -35,15 +35,13 @@ class FormatSettings(ComponentSettings):
     """
 
     preset: Literal["r1", "think"] | None = None
-    pattern: str | None = None
+    pattern: Regex | None = None
     flags: tuple[RegexFlag, ...] = ("DOTALL", "MULTILINE")
 
     @model_validator(mode="after")
     def _one_source(self) -> FormatSettings:
         if (self.preset is None) == (self.pattern is None):
             raise ValueError("set exactly one of 'preset' and 'pattern'")
-        if self.pattern is not None:
-            re.compile(self.pattern)
         return self
 
 

@@ -6,9 +6,9 @@ import re
 from collections.abc import Sequence
 from functools import cached_property
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from consumers.scorer.components.base import ComponentSettings, RewardComponent
+from consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
 from consumers.scorer.sample import Sample
 
 
@@ -16,14 +16,8 @@ class ReasoningStepsSettings(ComponentSettings):
     """Settings of `reasoning_steps`: `pattern` (a regex, compiled without flags, counted
     with `findall` over the whole completion) and `target` (the count worth 1.0)."""
 
-    pattern: str = r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)"
+    pattern: Regex = r"(Step \d+:|^\d+\.|\n-|\n\*|First,|Second,|Next,|Finally,)"
     target: int = Field(default=3, ge=1)
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, value: str) -> str:
-        re.compile(value)
-        return value
 
 
 class ReasoningSteps(RewardComponent[ReasoningStepsSettings]):
