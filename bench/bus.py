@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.common import BenchRedis, median_of, print_table, redis_cpu
+from bench.common import BenchRedis, median_of, payload_bytes, print_table, redis_cpu
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.stage import Forward, Stage
 from producers.publisher import Publisher
@@ -144,10 +144,6 @@ def trivial_scores(group: TrajectoryGroup) -> ScoredGroup:
         reward_config="bench",
         scored_at=time.time(),
     )
-
-
-def payload_bytes(fields: Fields) -> int:
-    return sum(len(k) + len(v) for k, v in fields.items())
 
 
 # ------------------------------------------------------------------------------ variants

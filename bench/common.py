@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 
 from ops.stack import RedisProcess, free_port
 
-__all__ = ["BenchRedis", "fmt", "free_port", "median_of", "print_table", "redis_cpu"]
+__all__ = ["BenchRedis", "fmt", "free_port", "median_of", "payload_bytes", "print_table",
+           "redis_cpu"]
 
 
 class BenchRedis(RedisProcess):
@@ -61,6 +62,11 @@ async def redis_cpu(url: str) -> float:
     finally:
         await client.aclose()
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def payload_bytes(fields: dict[bytes, bytes]) -> int:
+    """Bytes of a stream entry's field names and values."""
+    return sum(len(k) + len(v) for k, v in fields.items())
 
 
 def median_of(runs: Iterable[float]) -> float:

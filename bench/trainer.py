@@ -54,7 +54,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from bench.bus import RAW_TRAJ, Result, _raw_consume, run_raw
-from bench.common import BenchRedis, median_of, print_table, redis_cpu
+from bench.common import BenchRedis, median_of, payload_bytes, print_table, redis_cpu
 from bench.scorer import make_completion_text, make_problem
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.scorer.bridge import RewardBridge
@@ -152,10 +152,6 @@ def grpo_scored(group: TrajectoryGroup, rng: np.random.Generator) -> ScoredGroup
         ),
         weights={"accuracy": 1.0}, reward_config="bench", scored_at=time.time(),
     )
-
-
-def payload_bytes(fields: Fields) -> int:
-    return sum(len(k) + len(v) for k, v in fields.items())
 
 
 def _client(url: str) -> aioredis.Redis:

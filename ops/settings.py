@@ -84,7 +84,7 @@ class WorkerSettings(CommonSettings):
     env: str = "gsm8k"
     """Env name (``gsm8k``, ``math``, ``guess``) or ``module:attribute`` of your own."""
     env_options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the env (e.g. ``path`` of a dataset file)."""
+    """Keyword arguments for the env (e.g. ``source``, a dataset file)."""
     inference: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """vLLM base URLs (comma-separated in the environment)."""
     model: str = ""
