@@ -23,24 +23,16 @@ log = structlog.get_logger("rollq.rollout")
 
 
 class PolicyVersionSource:
-    """Reads the trainer's published policy version (one HGET per generation call; a cache
-    of ``max_age_s`` may be set where that matters, at the price of stamping a group with a
-    version up to that old)."""
+    """Reads the trainer's published policy version: one HGET per generation call, never
+    cached, so a group is never stamped with a version older than the weights it used."""
 
-    def __init__(self, redis: aioredis.Redis, run: str, max_age_s: float = 0.0) -> None:
+    def __init__(self, redis: aioredis.Redis, run: str) -> None:
         self.redis = redis
         self.key = state_key(run)
-        self.max_age_s = max_age_s
-        self._value = 0
-        self._read_at = float("-inf")
 
     async def __call__(self) -> int:
-        now = time.monotonic()
-        if now - self._read_at >= self.max_age_s:
-            raw = await self.redis.hget(self.key, POLICY_VERSION_FIELD)
-            self._value = int(raw) if raw is not None else 0
-            self._read_at = now
-        return self._value
+        raw = await self.redis.hget(self.key, POLICY_VERSION_FIELD)
+        return int(raw) if raw is not None else 0
 
 
 @dataclass
