@@ -1,30 +1,39 @@
-"""Bus throughput: raw redis-py streams vs rollq's publish -> score-forward -> train-read path.
+"""Bus throughput: raw redis-py streams vs rollq's publish -> score -> train-read path.
 
 On a redis-server this benchmark starts itself (loopback, persistence off) it measures, for
 full GRPO groups (default 16 completions x 2048 tokens: int32 ids, float32 logprobs, uint8
 masks, ~6 KB of text per completion):
 
 raw      plain redis-py, the exact bytes of ``encode(group)`` pre-encoded before the clock
-         starts: one producer task XADDs them one by one, one consumer task XREADGROUPs
-         ``COUNT batch`` and XACKs each batch in one call. One hop, no codec.
-raw2hop  (context, not the target) the same, plus the second hop rollq makes: consumer 1
-         reads traj, pipelines XADD of pre-encoded scored bytes + XACK per batch, consumer 2
-         reads scored and XACKs. Shows what the second hop costs with zero Python work.
-rollq    ``Publisher.publish`` (encode + XADD) one group at a time, a ``Stage`` (group
-         "scorers", ``count=batch``) whose transform decodes the trajectory, attaches trivial
-         scores (a ``ScoredGroup``: reward 0, zero token advantages, as a scorer forwards it)
-         and re-encodes it, forwarded by the exactly-once Lua script (``forward_many``), and a
-         trainer reader (group "trainer", ``count=batch``) that ``decode_scored``s every
-         entry to numpy and acks the batch.
+         starts: a producer XADDs them one by one, a consumer XREADGROUPs ``COUNT batch``
+         and XACKs each batch in one call. One hop, no codec.
+raw2hop  (context) the same, plus a second hop carrying the whole group again: a relay
+         reads traj and pipelines an XADD of pre-encoded scored bytes (trajectory copied
+         in) + XACK per batch; a consumer reads that stream. What a bus that copies each
+         group into its scored stream pays for the second hop, with zero Python work.
+rollq    ``Publisher.publish`` (encode + XADD) one group at a time; a ``Stage`` (group
+         "scorers", ``count=batch``) whose transform decodes the trajectory, attaches
+         trivial scores (a ``ScoredGroup``: reward 0, zero advantages) and encodes the
+         scored entry as the scorer does, in reference form (scores + the traj entry's id),
+         forwarded exactly once (``forward_many``); and a trainer reader (group "trainer",
+         ``count=batch``, ``join_trajectories``) that joins every scored entry with its traj
+         entry, ``decode_scored``s it to numpy and acks the batch.
 
-All tasks of a variant run concurrently on one asyncio loop, each on its own client.
-Wall time is from the first XADD/publish to the last ack of the last consumer. Groups/s and
-MB/s use the trajectory payload (the bytes of ``encode(group)``) for both variants.
+Two shapes, both by default (``--mode``):
+processes  each role in its own OS process (spawned; all set up, then started at once),
+           as rollq is deployed: env workers, scorers and trainers are separate processes.
+           The verdict is taken here.
+loop       every role of a variant on one asyncio loop in this process, each on its own
+           client: all client work shares one core.
+Wall time runs from the first XADD/publish to the last ack of the last consumer
+(``time.monotonic``, system-wide on Linux). Groups/s and MB/s use the trajectory payload
+(the bytes of ``encode(group)``) for every variant. Client CPU is this process's CPU (loop)
+or the sum over the role processes (processes); redis CPU is the server's, from INFO.
 Redis memory per buffered token: B groups XADDed (raw) / published (rollq) with nobody
 consuming, ``used_memory`` before/after and ``MEMORY USAGE`` of the stream, per completion
 token; for rollq also the scored stream after a Stage forwarded them.
 
-Run from the repository root:  python -m bench.bus  [--groups 300 --runs 3 ...]
+Run from the repository root:  python -m bench.bus  [--groups 300 --runs 5 --mode both]
 """
 
 from __future__ import annotations
@@ -35,15 +44,23 @@ import gc
 import os
 import sys
 import time
+import traceback
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.common import BenchRedis, median_of, payload_bytes, print_table, redis_cpu
+from bench.common import (
+    BenchRedis,
+    median_of,
+    payload_bytes,
+    print_table,
+    redis_cpu,
+    run_role_processes,
+)
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.stage import Forward, Stage
 from producers.publisher import Publisher
@@ -182,7 +199,8 @@ async def _raw_consume(client: aioredis.Redis, source: str, group: str, total: i
         if forward_to is not None and forward_payloads is not None:
             pipe = client.pipeline(transaction=False)
             for i in range(len(ids)):
-                pipe.xadd(forward_to, forward_payloads[(done + i) % len(forward_payloads)])
+                copy = forward_payloads[(done + i) % len(forward_payloads)]
+                pipe.xadd(forward_to, copy)  # type: ignore[arg-type]
             pipe.xack(source, group, *ids)
             await pipe.execute()
         else:
@@ -221,30 +239,51 @@ async def run_raw(url: str, payloads: list[Fields], batch: int,
 
 
 async def score_transform(delivery: Delivery) -> Forward:
-    """The benchmark scorer: decode, attach trivial scores, encode the scored entry as the real
-    scorer does, copying the trajectory's bytes (``--forward scored``)."""
+    """The benchmark scorer: decode, attach trivial scores, and encode the scored entry as
+    the real scorer does (reference form: it names the traj entry)."""
     scored = trivial_scores(decode_trajectory(delivery.fields))
-    return Forward(encode(scored, trajectory_fields=delivery.fields))
+    return Forward(encode(scored, trajectory_id=delivery.entry_id))
 
 
-async def reencode_transform(delivery: Delivery) -> Forward:
-    """Decode the trajectory and re-encode it unchanged (``--forward traj``)."""
-    return Forward(encode(decode_trajectory(delivery.fields)))
+async def _score_until(stage: Stage, total: int) -> None:
+    """The scorer loop of ``ops.roles.run_scorer``, until ``total`` groups are forwarded."""
+    while stage.forwarded < total:
+        deliveries = await stage.reader.next_deliveries()
+        if deliveries:
+            await stage.process(deliveries)
 
 
-async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int,
-                    forward: str = "scored") -> Result:
+async def _train_until(trainer: StreamReader, total: int) -> float:
+    """Read scored entries (joined with their trajectories), decode them to numpy and ack,
+    until ``total`` distinct groups; returns the monotonic time of the last ack."""
+    seen: set[str] = set()
+    while len(seen) < total:
+        deliveries = await trainer.read()
+        for delivery in deliveries:
+            seen.add(decode_scored(delivery.fields).group_id)
+        if deliveries:
+            await trainer.ack(deliveries)
+    return time.monotonic()
+
+
+def _stage(client: aioredis.Redis, batch: int) -> Stage:
+    return Stage(StreamReader(client, [TRAJ], "scorers", "s1",
+                              ReaderSettings(count=batch, block_ms=BLOCK_MS)), score_transform)
+
+
+def _trainer(client: aioredis.Redis, batch: int) -> StreamReader:
+    return StreamReader(client, [SCORED], "trainer", "t1",
+                        ReaderSettings(count=batch, block_ms=BLOCK_MS), join_trajectories=True)
+
+
+async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int) -> Result:
+    """rollq's three roles on this process's loop."""
     pub_client, stage_client, trainer_client = _client(url), _client(url), _client(url)
-    stop = asyncio.Event()
-    settings = ReaderSettings(count=batch, block_ms=BLOCK_MS)
     try:
         await pub_client.flushall()
         publisher = Publisher(pub_client, RUN)
         await publisher.register()
-        transform = score_transform if forward == "scored" else reencode_transform
-        decode_final = decode_scored if forward == "scored" else decode_trajectory
-        stage = Stage(StreamReader(stage_client, [TRAJ], "scorers", "s1", settings), transform)
-        trainer = StreamReader(trainer_client, [SCORED], "trainer", "t1", settings)
+        stage, trainer = _stage(stage_client, batch), _trainer(trainer_client, batch)
         await stage.reader.ensure_groups()
         await trainer.ensure_groups()
         total = len(groups)
@@ -253,21 +292,9 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int,
             for group in groups:
                 await publisher.publish(group)
 
-        async def train() -> float:
-            seen: set[str] = set()
-            while len(seen) < total:
-                deliveries = await trainer.read()
-                for delivery in deliveries:
-                    seen.add(decode_final(delivery.fields).group_id)
-                if deliveries:
-                    await trainer.ack(deliveries)
-            return time.monotonic()
-
         start = time.monotonic()
-        stage_task = asyncio.create_task(stage.run(stop))
-        _, end = await asyncio.gather(publish(), train())
-        stop.set()
-        await stage_task
+        _, _, end = await asyncio.gather(publish(), _score_until(stage, total),
+                                         _train_until(trainer, total))
         if stage.forwarded != total:
             raise RuntimeError(f"stage forwarded {stage.forwarded} of {total} groups")
         return Result(end - start, total)
@@ -276,9 +303,117 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int,
             await c.aclose()
 
 
+# ----------------------------------------------------------------- one OS process per role
+
+ROLES = {
+    "raw": ("produce", "consume"),
+    "raw2hop": ("produce", "relay", "consume2"),
+    "rollq": ("publish", "score", "train"),
+}
+
+
+@dataclass(frozen=True)
+class RoleJob:
+    """One role of a ``processes`` run (pickled to a spawned child)."""
+
+    role: str
+    url: str
+    groups: int
+    group_size: int
+    seq_len: int
+    text_bytes: int
+    batch: int
+
+
+async def _prepare(job: RoleJob, client: aioredis.Redis) -> Callable[[], Awaitable[float]]:
+    """Set a role up (payloads, consumer groups, a warm codec) and return its timed part,
+    which returns its start time (producers) or the time of its last ack (consumers)."""
+    total, batch = job.groups, job.batch
+    sample = make_groups(8, job.group_size, job.seq_len, job.text_bytes)
+    if job.role in ("produce", "publish"):
+        groups = make_groups(total, job.group_size, job.seq_len, job.text_bytes)
+        payloads = [encode(g) for g in groups]
+        publisher = Publisher(client, RUN)
+        await publisher.register()
+
+        async def produce() -> float:
+            first = time.monotonic()
+            if job.role == "publish":
+                for group in groups:
+                    await publisher.publish(group)
+            else:
+                for fields in payloads:
+                    await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
+            return first
+
+        return produce
+    if job.role in ("consume", "relay", "consume2"):
+        source, group = (RAW_SCORED, "g2") if job.role == "consume2" else (RAW_TRAJ, "g")
+        await client.xgroup_create(source, group, id="0", mkstream=True)
+        copies = [encode(trivial_scores(g)) for g in sample]  # the trajectory inline
+
+        async def consume() -> float:
+            if job.role == "relay":
+                return await _raw_consume(client, source, group, total, batch, RAW_SCORED, copies)
+            return await _raw_consume(client, source, group, total, batch)
+
+        return consume
+    if job.role == "score":
+        stage = _stage(client, batch)
+        await stage.reader.ensure_groups()
+        await score_transform(Delivery(TRAJ, "0-1", encode(sample[0])))  # warm the codec
+
+        async def score() -> float:
+            await _score_until(stage, total)
+            return time.monotonic()
+
+        return score
+    if job.role == "train":
+        trainer = _trainer(client, batch)
+        await trainer.ensure_groups()
+        decode_scored(encode(trivial_scores(sample[0])))  # warm the codec
+        return lambda: _train_until(trainer, total)
+    raise ValueError(f"unknown role {job.role!r}")
+
+
+def _role_main(job: RoleJob, messages: Any, start: Any) -> None:
+    """Entry point of a role process (see ``bench.common.run_role_processes``)."""
+    try:
+        messages.put(("done", job.role, asyncio.run(_role(job, messages, start))))
+    except BaseException:
+        messages.put(("error", job.role, traceback.format_exc()))
+
+
+async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
+    client = _client(job.url)
+    try:
+        timed = await _prepare(job, client)
+        messages.put(("ready", job.role, None))
+        start.wait()  # blocks this loop, which has nothing else to do yet
+        cpu = time.process_time()
+        stamp = await timed()
+        return {"at": stamp, "cpu": time.process_time() - cpu}
+    finally:
+        await client.aclose()
+
+
+async def run_processes(url: str, variant: str, args: argparse.Namespace) -> Result:
+    """``variant``'s roles, one spawned process each; wall from the producer's first XADD
+    to the last consumer's last ack, client CPU summed over the role processes."""
+    client = _client(url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    roles = ROLES[variant]
+    jobs = [RoleJob(role, url, args.groups, args.group_size, args.seq_len, args.text_bytes,
+                    args.batch) for role in roles]
+    reports = await asyncio.to_thread(run_role_processes, _role_main, jobs)
+    wall = reports[roles[-1]]["at"] - reports[roles[0]]["at"]
+    return Result(wall, args.groups, client_cpu_s=sum(r["cpu"] for r in reports.values()))
+
+
 # -------------------------------------------------------------------------------- memory
-
-
 
 
 async def _used_memory(client: aioredis.Redis) -> int:
@@ -287,7 +422,7 @@ async def _used_memory(client: aioredis.Redis) -> int:
 
 
 async def measure_memory(url: str, groups: list[TrajectoryGroup], payloads: list[Fields],
-                         batch: int, forward: str) -> list[tuple[str, float, float]]:
+                         batch: int) -> list[tuple[str, float, float]]:
     """(what, used_memory delta per token, MEMORY USAGE of the stream per token)."""
     tokens = sum(g.num_tokens for g in groups)
     client = _client(url)
@@ -311,15 +446,12 @@ async def measure_memory(url: str, groups: list[TrajectoryGroup], payloads: list
         usage = await client.memory_usage(TRAJ, samples=0)
         rows.append(("rollq traj (Publisher)", (after - before) / tokens, usage / tokens))
 
-        stage = Stage(StreamReader(client, [TRAJ], "scorers", "s1",
-                                   ReaderSettings(count=batch, block_ms=BLOCK_MS)),
-                      score_transform if forward == "scored" else reencode_transform)
         before = await _used_memory(client)
-        await stage.drain()
+        await _stage(client, batch).drain()
         after = await _used_memory(client)
         usage = await client.memory_usage(SCORED, samples=0)
-        rows.append((f"rollq scored (Stage, --forward {forward})",
-                     (after - before) / tokens, usage / tokens))
+        rows.append(("rollq scored (Stage; names traj entries)", (after - before) / tokens,
+                     usage / tokens))
         await client.flushall()
     finally:
         await client.aclose()
@@ -332,7 +464,10 @@ async def measure_memory(url: str, groups: list[TrajectoryGroup], payloads: list
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.bus", description=__doc__.split("\n")[0])
     parser.add_argument("--groups", type=int, default=300, help="groups per run (default 300)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per variant (default 3)")
+    parser.add_argument("--runs", type=int, default=5, help="runs per variant (default 5)")
+    parser.add_argument("--mode", choices=["both", "processes", "loop"], default="both",
+                        help="one OS process per role, all roles on one loop, or both "
+                             "(default; the verdict is taken on processes)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per completion")
     parser.add_argument("--group-size", type=int, default=16, help="completions per group")
     parser.add_argument("--batch", type=int, default=16,
@@ -341,89 +476,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="decoded text per completion, bytes (default 6144)")
     parser.add_argument("--buffered", type=int, default=100,
                         help="groups buffered for the memory measurement (default 100)")
-    parser.add_argument("--forward", choices=["scored", "traj"], default="scored",
-                        help="what the middle consumer forwards: a ScoredGroup with trivial "
-                             "scores (default; what a scorer sends) or the re-encoded trajectory")
     parser.add_argument("--no-two-hop", action="store_true",
                         help="skip the raw two-hop context variant")
     parser.add_argument("--profile", metavar="FILE",
-                        help="cProfile one extra rollq run and write the stats to FILE")
+                        help="cProfile one extra loop-mode rollq run and write the stats to FILE")
     return parser.parse_args(argv)
 
 
-async def main_async(args: argparse.Namespace) -> int:
-    print(f"building {args.groups} groups of {args.group_size} x {args.seq_len} tokens ...",
-          flush=True)
-    groups = make_groups(args.groups, args.group_size, args.seq_len, args.text_bytes)
-    payloads = [encode(g) for g in groups]
-    if args.forward == "scored":
-        scored_payloads = [encode(trivial_scores(g)) for g in groups[:8]]
-    else:
-        scored_payloads = payloads[:8]
-    traj_size = median_of(payload_bytes(p) for p in payloads)
-    scored_size = median_of(payload_bytes(p) for p in scored_payloads)
+def _table(mode: str, results: dict[str, list[Result]], args: argparse.Namespace,
+           traj_size: float) -> float:
+    """Print one mode's table; returns rollq's median groups/s over raw's."""
     tokens_per_group = args.group_size * args.seq_len
-    field_sizes = ", ".join(f"{k.decode()}={len(v):,}" for k, v in payloads[0].items()
-                            if len(v) > 64)
-
-    variants: list[tuple[str, Callable[[], Coroutine[Any, Any, Result]]]] = []
-    with BenchRedis() as server:
-        url = server.url
-        variants.append(("raw", lambda: run_raw(url, payloads, args.batch)))
-        if not args.no_two_hop:
-            variants.append(("raw2hop", lambda: run_raw(url, payloads, args.batch,
-                                                        scored_payloads)))
-        variants.append(("rollq", lambda: run_rollq(url, groups, args.batch, args.forward)))
-
-        print(f"redis-server {server.version()} on 127.0.0.1:{server.port} (no persistence); "
-              f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs")
-        print(f"payload per group: traj {traj_size / 1e6:.3f} MB ({field_sizes}); "
-              f"forwarded ({args.forward}) {scored_size / 1e6:.3f} MB; "
-              f"{tokens_per_group:,} completion tokens; "
-              f"batch {args.batch}\n", flush=True)
-
-        # warm-up: script load, connection setup, allocator
-        warm = max(1, min(32, args.groups))
-        await run_raw(url, payloads[:warm], args.batch, scored_payloads)
-        await run_rollq(url, groups[:warm], args.batch, args.forward)
-
-        results: dict[str, list[Result]] = {name: [] for name, _ in variants}
-        for run in range(args.runs):  # interleaved, so drift hits every variant alike
-            for name, fn in variants:
-                gc.collect()
-                redis_before = await redis_cpu(url)
-                cpu_before = time.process_time()
-                result = await fn()
-                result.client_cpu_s = time.process_time() - cpu_before
-                result.redis_cpu_s = await redis_cpu(url) - redis_before
-                results[name].append(result)
-                print(f"run {run + 1}/{args.runs} {name:8s} {result.seconds:7.3f} s  "
-                      f"{result.groups_per_s:8.1f} groups/s  (cpu: client "
-                      f"{result.client_cpu_s:.3f} s, redis {result.redis_cpu_s:.3f} s)", flush=True)
-        print()
-
-        if args.profile:
-            import cProfile
-            import pstats
-
-            profiler = cProfile.Profile()
-            profiler.enable()
-            await run_rollq(url, groups, args.batch, args.forward)
-            profiler.disable()
-            profiler.dump_stats(args.profile)
-            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-
-        memory = await measure_memory(url, groups[: args.buffered], payloads[: args.buffered],
-                                      args.batch, args.forward)
-
+    medians = {name: median_of(r.groups_per_s for r in runs) for name, runs in results.items()}
     rows = []
-    medians: dict[str, float] = {}
     for name, runs in results.items():
-        per_run = [r.groups_per_s for r in runs]
-        medians[name] = median_of(per_run)
         rows.append([
             name,
-            " ".join(f"{v:.1f}" for v in per_run),
+            " ".join(f"{r.groups_per_s:.0f}" for r in runs),
             medians[name],
             medians[name] * traj_size / 1e6,
             medians[name] * tokens_per_group / 1e6,
@@ -433,18 +502,93 @@ async def main_async(args: argparse.Namespace) -> int:
         ])
     print_table(["variant", "groups/s per run", "median groups/s", "MB/s (traj payload)",
                  "Mtokens/s", "vs raw", "client CPU ms/group", "redis CPU ms/group"], rows,
-                title=f"throughput, {args.groups} groups/run, median of {args.runs} runs")
+                title=f"{mode}: {args.groups} groups/run, median of {args.runs} runs")
+    return medians["rollq"] / medians["raw"]
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    print(f"building {args.groups} groups of {args.group_size} x {args.seq_len} tokens ...",
+          flush=True)
+    groups = make_groups(args.groups, args.group_size, args.seq_len, args.text_bytes)
+    payloads = [encode(g) for g in groups]
+    copies = [encode(trivial_scores(g)) for g in groups[:8]]
+    references = [encode(trivial_scores(g), trajectory_id="1700000000000-0") for g in groups[:8]]
+    traj_size = median_of(payload_bytes(p) for p in payloads)
+    tokens_per_group = args.group_size * args.seq_len
+    field_sizes = ", ".join(f"{k.decode()}={len(v):,}" for k, v in payloads[0].items()
+                            if len(v) > 64)
+    variants = [v for v in ROLES if not (v == "raw2hop" and args.no_two_hop)]
+    modes = ["processes", "loop"] if args.mode == "both" else [args.mode]
+
+    def loop_run(variant: str) -> Callable[[], Coroutine[Any, Any, Result]]:
+        if variant == "raw":
+            return lambda: run_raw(url, payloads, args.batch)
+        if variant == "raw2hop":
+            return lambda: run_raw(url, payloads, args.batch, copies)
+        return lambda: run_rollq(url, groups, args.batch)
+
+    with BenchRedis() as server:
+        url = server.url
+        print(f"redis-server {server.version()} on 127.0.0.1:{server.port} (no persistence); "
+              f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs")
+        print(f"payload per group: traj {traj_size / 1e6:.3f} MB ({field_sizes}); rollq's "
+              f"scored entry {median_of(payload_bytes(p) for p in references) / 1e3:.1f} KB; "
+              f"raw2hop's copy {median_of(payload_bytes(p) for p in copies) / 1e6:.3f} MB; "
+              f"{tokens_per_group:,} completion tokens; batch {args.batch}\n", flush=True)
+
+        # warm-up: script load, connection setup, allocator
+        warm = max(1, min(32, args.groups))
+        await run_raw(url, payloads[:warm], args.batch, copies)
+        await run_rollq(url, groups[:warm], args.batch)
+
+        ratios: dict[str, float] = {}
+        for mode in modes:
+            results: dict[str, list[Result]] = {name: [] for name in variants}
+            for run in range(args.runs):  # interleaved, so drift hits every variant alike
+                for name in variants:
+                    gc.collect()
+                    redis_before = await redis_cpu(url)
+                    cpu_before = time.process_time()
+                    if mode == "processes":
+                        result = await run_processes(url, name, args)
+                    else:
+                        result = await loop_run(name)()
+                        result.client_cpu_s = time.process_time() - cpu_before
+                    result.redis_cpu_s = await redis_cpu(url) - redis_before
+                    results[name].append(result)
+                    print(f"{mode} run {run + 1}/{args.runs} {name:8s} {result.seconds:7.3f} s  "
+                          f"{result.groups_per_s:8.1f} groups/s  (cpu: client "
+                          f"{result.client_cpu_s:.3f} s, redis {result.redis_cpu_s:.3f} s)",
+                          flush=True)
+            print()
+            ratios[mode] = _table(mode, results, args, traj_size)
+
+        if args.profile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            await run_rollq(url, groups, args.batch)
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+        memory = await measure_memory(url, groups[: args.buffered], payloads[: args.buffered],
+                                      args.batch)
+
     print_table(
         ["buffered entries", "used_memory B/token", "MEMORY USAGE B/token"],
         [[what, delta, usage] for what, delta, usage in memory],
         title=f"Redis memory per buffered completion token "
-              f"({min(args.buffered, args.groups)} groups; payload is "
-              f"{traj_size / tokens_per_group:.2f} B/token traj, "
-              f"{scored_size / tokens_per_group:.2f} B/token forwarded)",
+              f"({min(args.buffered, args.groups)} groups; the traj payload is "
+              f"{traj_size / tokens_per_group:.2f} B/token)",
     )
-    ratio = medians["rollq"] / medians["raw"]
-    verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
-    print(f"rollq/raw groups/s ratio: {ratio:.2f} (target >= {TARGET_RATIO}) {verdict}")
+    for mode, ratio in ratios.items():
+        verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
+        judged = " (the verdict)" if mode == modes[0] else " (context)"
+        print(f"rollq/raw groups/s ratio, {mode}: {ratio:.2f} (target >= {TARGET_RATIO}) "
+              f"{verdict}{judged}")
     return 0
 
 

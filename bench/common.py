@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: a throwaway redis-server, medians and a result table.
+"""Helpers shared by the benchmarks: a throwaway redis-server, medians, a result table, and
+one OS process per role.
 
 The benchmarks depend on nothing under ``tests/``: they start their own redis-server on a
 free loopback port, persistence off (no RDB snapshots, no AOF), in a temporary directory
@@ -7,10 +8,12 @@ that is removed when it stops.
 
 from __future__ import annotations
 
+import multiprocessing
+import queue
 import statistics
 import subprocess
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -20,7 +23,7 @@ import redis.asyncio as aioredis
 from ops.stack import RedisProcess, free_port
 
 __all__ = ["BenchRedis", "fmt", "free_port", "median_of", "payload_bytes", "print_table",
-           "redis_cpu"]
+           "redis_cpu", "run_role_processes"]
 
 
 class BenchRedis(RedisProcess):
@@ -102,3 +105,42 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: st
     for row in cells[1:]:
         print(line(row))
     print()
+
+
+def run_role_processes(entry: Callable[[Any, Any, Any], None], jobs: Sequence[Any],
+                       silence_s: float = 300.0) -> dict[str, dict[str, float]]:
+    """Run each job in its own spawned OS process and return their reports by role.
+
+    ``entry(job, messages, start)`` runs in the child: it sets up, puts
+    ``("ready", role, None)``, waits for ``start`` (so every process starts measuring at
+    once, after all set-ups), runs, and puts ``("done", role, report)`` or
+    ``("error", role, traceback)``. ``job.role`` names each job.
+    """
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    start = context.Event()
+    processes = [context.Process(target=entry, args=(job, messages, start), daemon=True)
+                 for job in jobs]
+    for process in processes:
+        process.start()
+    try:
+        ready, reports = 0, {}
+        while len(reports) < len(jobs):
+            try:
+                kind, role, data = messages.get(timeout=silence_s)
+            except queue.Empty:
+                raise RuntimeError(f"a role process went silent for {silence_s:.0f} s") from None
+            if kind == "error":
+                raise RuntimeError(f"role {role} failed:\n{data}")
+            if kind == "ready":
+                ready += 1
+                if ready == len(jobs):
+                    start.set()
+            else:
+                reports[role] = data
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+    return reports

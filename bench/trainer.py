@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import multiprocessing
 import os
-import queue
 import sys
 import time
 import traceback
@@ -54,7 +52,14 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from bench.bus import RAW_TRAJ, Result, _raw_consume, run_raw
-from bench.common import BenchRedis, median_of, payload_bytes, print_table, redis_cpu
+from bench.common import (
+    BenchRedis,
+    median_of,
+    payload_bytes,
+    print_table,
+    redis_cpu,
+    run_role_processes,
+)
 from bench.scorer import make_completion_text, make_problem
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.scorer.bridge import RewardBridge
@@ -412,34 +417,8 @@ def run_processes(url: str, shape: Shape, roles: Sequence[str], batch_groups: in
                   read_batch: int) -> ProcessesResult:
     """One spawned process per role; all set up first, then started at once. Wall from the
     first publish (XADD) to the last ack; CPU summed over the role processes."""
-    context = multiprocessing.get_context("spawn")
-    messages = context.Queue()
-    start = context.Event()
     jobs = [RoleJob(role, url, shape, batch_groups, read_batch) for role in roles]
-    processes = [context.Process(target=_role_main, args=(job, messages, start), daemon=True)
-                 for job in jobs]
-    for process in processes:
-        process.start()
-    try:
-        ready, reports = 0, {}
-        while len(reports) < len(jobs):
-            try:
-                kind, role, data = messages.get(timeout=300)
-            except queue.Empty:
-                raise RuntimeError("a role process went silent for 300 s") from None
-            if kind == "error":
-                raise RuntimeError(f"role {role} failed:\n{data}")
-            if kind == "ready":
-                ready += 1
-                if ready == len(jobs):
-                    start.set()
-            else:
-                reports[role] = data
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.terminate()
+    reports = run_role_processes(_role_main, jobs)
     first = min(r["first"] for r in reports.values() if "first" in r)
     last = max(r["last"] for r in reports.values() if "last" in r)
     role_cpu = {role: r["cpu"] for role, r in reports.items()}

@@ -15,6 +15,11 @@ Delivery rules (DESIGN.md §3):
   exactly one forwards it. ``forward_many`` runs one script per source stream, not one per
   entry. The payload stays out of Lua on purpose: copying a 0.5 MB group into script
   arguments cost Redis 7.0 three times the CPU of the XADD itself (bench/bus.py).
+- A scored entry names its trajectory's traj entry instead of copying it (see
+  ``schemas.codec``); a reader made with ``join_trajectories=True`` (the trainer's) merges
+  that entry in before handing deliveries out, one pipelined XRANGE per batch. An entry
+  whose trajectory is gone is dead-lettered as ``trajectory_missing``, never dropped.
+  ``trim_streams`` keeps every traj entry that a scored entry not yet consumed names.
 - ``dead_letter``, ``drop`` and ``ack_counted`` run one script (per stream) that acks and
   counts only the entries this call acked first (and, for dead letters, adds the letter).
   Every count is exact.
@@ -29,13 +34,21 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from schemas import BrokerUnavailable, DeadLetter, Fields, encode_dead
+from schemas import (
+    BrokerUnavailable,
+    DeadLetter,
+    DecodeError,
+    Fields,
+    encode_dead,
+    join_trajectory,
+    trajectory_ref,
+)
 from schemas.keys import DROP_PREFIX, partner_key
 
 T = TypeVar("T")
@@ -78,29 +91,57 @@ return won
 # KEYS[1] stream; ARGV[1] retention floor id ('' for none). Trims below the oldest entry some
 # consumer group still needs: its oldest pending entry, or the first one it has not read.
 # Without consumer groups nothing is trimmed: nobody has consumed anything yet.
+# KEYS[2], when given, is a stream whose entries name entries of KEYS[1] in field 'traj'
+# (the partition's scored stream): every entry named by one that some group of KEYS[2] has
+# not consumed (all of them, before KEYS[2] has a group) is kept, and with a retention
+# floor so is the trajectory of the oldest scored entry still retained (trainer replay).
 _SAFE_TRIM = """
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return {tonumber(ms), tonumber(seq)}
 end
 local function less(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end
-local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
-if #groups == 0 then return 0 end
-local floor = nil
-for _, g in ipairs(groups) do
-  local info = {}
-  for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-  local last = parse(info['last-delivered-id'])
-  local candidate = {last[1], last[2] + 1}
-  if info['pending'] > 0 then
-    local oldest = parse(redis.call('XPENDING', KEYS[1], info['name'])[2])
-    if less(oldest, candidate) then candidate = oldest end
+local function needed(key)
+  if redis.call('EXISTS', key) == 0 then return nil end
+  local floor = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    local last = parse(info['last-delivered-id'])
+    local candidate = {last[1], last[2] + 1}
+    if info['pending'] > 0 then
+      local oldest = parse(redis.call('XPENDING', key, info['name'])[2])
+      if less(oldest, candidate) then candidate = oldest end
+    end
+    if floor == nil or less(candidate, floor) then floor = candidate end
   end
-  if floor == nil or less(candidate, floor) then floor = candidate end
+  return floor
 end
+local function ref(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'traj' then return parse(fields[i + 1]) end
+  end
+  return nil
+end
+local floor = needed(KEYS[1])
+if floor == nil then return 0 end
 if ARGV[1] ~= '' then
   local retention = parse(ARGV[1])
   if less(retention, floor) then floor = retention end
+end
+if #KEYS > 1 then
+  local unconsumed = needed(KEYS[2])
+  local from = '-'
+  if unconsumed ~= nil then from = unconsumed[1] .. '-' .. unconsumed[2] end
+  local entries = redis.call('XRANGE', KEYS[2], from, '+')
+  if ARGV[1] ~= '' then
+    local kept = redis.call('XRANGE', KEYS[2], ARGV[1], '+', 'COUNT', 1)
+    if #kept > 0 then table.insert(entries, kept[1]) end
+  end
+  for _, entry in ipairs(entries) do
+    local named = ref(entry[2])
+    if named ~= nil and less(named, floor) then floor = named end
+  end
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', floor[1] .. '-' .. floor[2])
 """
@@ -154,6 +195,8 @@ class StreamReader:
         group: str,
         consumer: str,
         settings: ReaderSettings | None = None,
+        *,
+        join_trajectories: bool = False,
     ) -> None:
         if not streams:
             raise ValueError("a StreamReader needs at least one stream")
@@ -162,6 +205,8 @@ class StreamReader:
         self.group = group
         self.consumer = consumer
         self.settings = settings or ReaderSettings()
+        self.join_trajectories = join_trajectories
+        """Merge the traj entry each reference-form scored entry names (scored readers)."""
         self._ack_and_count = redis.register_script(_ACK_AND_COUNT)
         self._empty_reads = 0
         self._last_reclaim = 0.0
@@ -210,7 +255,21 @@ class StreamReader:
                 if fields is None:  # pending entry whose data was deleted
                     continue
                 deliveries.append(Delivery(name, _id(entry_id), fields, 1 if start == ">" else 2))
-        return deliveries
+        return await self._joined(deliveries)
+
+    async def _joined(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """With ``join_trajectories``: deliveries in inline form; the ones whose trajectory
+        is gone are dead-lettered (``trajectory_missing``) and left out."""
+        if not self.join_trajectories or not deliveries:
+            return deliveries
+        joined = await join_trajectories(self.redis, [(d.stream, d.fields) for d in deliveries])
+        kept: list[Delivery] = []
+        for delivery, fields in zip(deliveries, joined, strict=True):
+            if isinstance(fields, str):
+                await self.dead_letter(delivery, "trajectory_missing", fields)
+            else:
+                kept.append(replace(delivery, fields=fields))
+        return kept
 
     async def reclaim(self, count: int | None = None) -> list[Delivery]:
         """Take over entries idle longer than ``reclaim_idle_ms``; dead-letter the over-delivered.
@@ -234,8 +293,8 @@ class StreamReader:
                 if not entries:
                     continue
                 counts = await self._delivery_counts(stream, [i for i, _ in entries])
-            for entry_id, fields in entries:
-                delivery = Delivery(stream, entry_id, fields, counts.get(entry_id, 1))
+            for delivery in await self._joined(
+                    [Delivery(stream, i, f, counts.get(i, 1)) for i, f in entries]):
                 if delivery.deliveries > self.settings.max_deliveries:
                     await self.dead_letter(
                         delivery,
@@ -384,8 +443,39 @@ async def trim_streams(redis: aioredis.Redis, streams: Sequence[str],
     removed = 0
     async with translated_errors("trimming"):
         for stream in streams:
-            removed += int(await redis.eval(_SAFE_TRIM, 1, stream, floor))
+            keys = [stream]
+            if stream.endswith(":traj"):  # scored entries name traj entries: keep those
+                keys.append(partner_key(stream, "scored"))
+            removed += int(await redis.eval(_SAFE_TRIM, len(keys), *keys, floor))
     return removed
+
+
+async def join_trajectories(redis: aioredis.Redis,
+                            entries: Sequence[tuple[str, Fields]]) -> list[Fields | str]:
+    """The inline form of each (scored stream, fields) entry: a reference-form entry gets
+    the traj entry it names merged in (one pipelined XRANGE for all); other entries come
+    back unchanged. Where the named entry is gone or holds another group, the reason why
+    comes back instead of fields."""
+    refs = [(i, stream, ref) for i, (stream, fields) in enumerate(entries)
+            if (ref := trajectory_ref(fields)) is not None]
+    out: list[Fields | str] = [fields for _, fields in entries]
+    if not refs:
+        return out
+    async with translated_errors("reading trajectories"):
+        pipe = redis.pipeline(transaction=False)
+        for _, stream, ref in refs:
+            pipe.xrange(partner_key(stream, "traj"), min=ref, max=ref, count=1)
+        replies = await pipe.execute()
+    for (i, stream, ref), reply in zip(refs, replies, strict=True):
+        if not reply:
+            source = partner_key(stream, "traj")
+            out[i] = f"traj entry {ref} of {source} is gone (trimmed or deleted)"
+            continue
+        try:
+            out[i] = join_trajectory(entries[i][1], reply[0][1])
+        except DecodeError as exc:
+            out[i] = str(exc)
+    return out
 
 
 async def follow(

@@ -83,7 +83,7 @@ async def tail(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         status = await collect_status(redis, settings.run)
         keys = stream_keys(settings.run, status.partitions, args.stream)
         handle: Callable[[str, str, Any], Awaitable[None]] = printer(  # type: ignore[assignment]
-            lambda text: print(text, flush=True), args.width)
+            lambda text: print(text, flush=True), args.width, redis)
         await follow(redis, keys, handle, start="0-0" if args.from_start else "$",
                      limit=args.count)
         return Exit.OK

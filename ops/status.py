@@ -10,7 +10,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from consumers.bus import StreamStats, stream_stats, translated_errors
-from schemas import DecodeError, decode_scored
+from schemas import DecodeError, scored_rewards
 from schemas.keys import (
     ADMITTED_FIELD,
     DROP_PREFIX,
@@ -78,7 +78,7 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
                                            count=max(1, reward_window // partitions))
         for _, fields in recent:
             try:
-                rewards += [s.reward for s in decode_scored(fields).scores]
+                rewards += scored_rewards(fields)
             except DecodeError:
                 continue
     return RunStatus(

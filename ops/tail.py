@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from schemas import ContractError, Fields, ScoredGroup, decode, decode_dead
+import redis.asyncio as aioredis
+
+from consumers.bus import join_trajectories
+from schemas import ContractError, Fields, ScoredGroup, decode, decode_dead, trajectory_ref
 
 
 def _snippet(text: str, width: int) -> str:
@@ -44,8 +47,18 @@ def format_entry(stream: str, entry_id: str, fields: Fields, width: int = 80) ->
     return "\n".join(lines)
 
 
-def printer(write: Callable[[str], None], width: int = 80) -> Callable[[str, str, Fields], object]:
+def printer(write: Callable[[str], None], width: int = 80,
+            redis: aioredis.Redis | None = None) -> Callable[[str, str, Fields], object]:
+    """An entry handler for ``consumers.bus.follow``; with ``redis``, a scored entry is shown
+    with the trajectory its traj entry holds (reference form, see ``schemas.codec``)."""
     async def handle(stream: str, entry_id: str, fields: Fields) -> None:
+        if redis is not None and trajectory_ref(fields) is not None:
+            [joined] = await join_trajectories(redis, [(stream, fields)])
+            if isinstance(joined, str):
+                write(f"{entry_id} scored group={fields.get(b'group_id', b'?').decode()} "
+                      f"(trajectory not shown: {joined})")
+                return
+            fields = joined
         write(format_entry(stream, entry_id, fields, width))
 
     return handle

@@ -12,6 +12,9 @@ from schemas.codec import (
     decode_trajectory,
     encode,
     encode_dead,
+    join_trajectory,
+    scored_rewards,
+    trajectory_ref,
 )
 from schemas.errors import (
     BrokerUnavailable,
@@ -58,4 +61,7 @@ __all__ = [
     "decode_trajectory",
     "encode",
     "encode_dead",
+    "join_trajectory",
+    "scored_rewards",
+    "trajectory_ref",
 ]

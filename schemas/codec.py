@@ -6,6 +6,13 @@ little-endian bytes, concatenated over the group's completions with their length
 ``lengths``; everything else is one orjson document in ``meta``. The README documents the
 layout field by field.
 
+A scored entry comes in two forms. The scorer's forward writes the *reference* form: the
+group's identity, its scores, and in ``traj`` the id of the trajectory's entry in the same
+partition's traj stream, so a group's token arrays are written to Redis once, not once per
+hop. ``join_trajectory`` merges that traj entry in, giving the *inline* form (every
+trajectory field beside the scores), which is what ``decode`` reads; rescore, which writes
+into another run, writes the inline form directly.
+
 ``encode`` raises ``ContractError`` for metadata JSON cannot carry. ``decode`` raises
 ``DecodeError`` (``UnknownVersionError`` for a version it does not know)
 and nothing else: the caller dead-letters the entry with the message as the reason.
@@ -49,6 +56,9 @@ def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:
 
 def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
     completions = group.completions
+    # Completion texts are bulk (a quarter of a long group's bytes): raw UTF-8 beside the
+    # token arrays, not JSON strings that every reader would scan for escapes.
+    texts = [c.text.encode() for c in completions]
     meta = {
         "prompt_text": group.prompt_text,
         "prompt_messages": group.prompt_messages,
@@ -59,7 +69,6 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
             {
                 "policy_version": c.policy_version,
                 "finish_reason": c.finish_reason,
-                "text": c.text,
                 "reasoning": c.reasoning,
                 "messages": c.messages,
                 "turn_rewards": c.turn_rewards,
@@ -76,6 +85,8 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
         b"env": group.env.encode(),
         b"policy_version": str(group.policy_version).encode(),
         b"meta": _dumps(meta),
+        b"texts": b"".join(texts),
+        b"text_lengths": np.array([len(t) for t in texts], _I32).tobytes(),
         b"lengths": np.array([len(c.completion_ids) for c in completions], _I32).tobytes(),
         b"prompt_ids": group.prompt_ids.astype(_I32, copy=False).tobytes(),
         b"completion_ids": _pack([c.completion_ids for c in completions], _I32),
@@ -88,22 +99,33 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
 
 
 _TRAJECTORY_FIELDS = frozenset({
-    b"v", b"group_id", b"run", b"env", b"policy_version", b"meta", b"lengths", b"prompt_ids",
-    b"completion_ids", b"logprobs", b"loss_mask", b"token_versions"})
+    b"v", b"group_id", b"run", b"env", b"policy_version", b"meta", b"texts", b"text_lengths",
+    b"lengths", b"prompt_ids", b"completion_ids", b"logprobs", b"loss_mask", b"token_versions"})
+_IDENTITY_FIELDS = (b"group_id", b"run", b"env", b"policy_version")
+TRAJECTORY_REF = b"traj"
+"""Field of a reference-form scored entry: the id of its trajectory's traj entry."""
 
 
-def encode(message: Message, *, trajectory_fields: Mapping[bytes, bytes] | None = None) -> Fields:
+def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
     """Encode a trajectory or scored group into stream entry fields.
 
-    For a scored group, ``trajectory_fields`` may pass the traj entry it was decoded from:
-    its trajectory part is then copied byte for byte instead of encoded again (the scorer's
-    forward path).
+    For a scored group, ``trajectory_id`` (the id of the traj entry it was decoded from)
+    gives the reference form: identity and scores only, the trajectory named in ``traj``.
+    Without it, the inline form carries every trajectory field too.
     """
     if isinstance(message, TrajectoryGroup):
         return _encode_trajectory(message, b"traj")
-    if trajectory_fields is not None:
-        fields = {k: v for k, v in trajectory_fields.items() if k in _TRAJECTORY_FIELDS}
-        fields[b"kind"] = b"scored"
+    if trajectory_id is not None:
+        group = message.trajectory
+        fields: Fields = {
+            b"v": str(SCHEMA_VERSION).encode(),
+            b"kind": b"scored",
+            b"group_id": group.group_id.encode(),
+            b"run": group.run.encode(),
+            b"env": group.env.encode(),
+            b"policy_version": str(group.policy_version).encode(),
+            TRAJECTORY_REF: trajectory_id.encode(),
+        }
     else:
         fields = _encode_trajectory(message.trajectory, b"scored")
     scores = message.scores
@@ -198,7 +220,8 @@ def _meta_model(model: type[BaseModel], exclude: set[str], name: str,
 # bytes (pydantic-core), after which the arrays — typed and sized by construction — are
 # attached without another validation round per completion.
 _CompletionMeta = _meta_model(
-    Completion, {"completion_ids", "logprobs", "loss_mask", "token_versions"}, "CompletionMeta")
+    Completion, {"completion_ids", "logprobs", "loss_mask", "token_versions", "text"},
+    "CompletionMeta")
 _TrajectoryMeta = _meta_model(
     TrajectoryGroup,
     {"v", "kind", "group_id", "run", "env", "policy_version", "prompt_ids", "completions"},
@@ -237,6 +260,18 @@ def _offsets(lengths: np.ndarray[Any, Any]) -> list[int]:
     return [0, *np.cumsum(lengths, dtype=np.int64).tolist()]
 
 
+def _texts(fields: Mapping[bytes, bytes], count: int) -> list[str]:
+    """The completion texts: ``texts`` cut at the UTF-8 byte lengths in ``text_lengths``."""
+    raw = _field(fields, b"texts")
+    lengths = _array(fields, b"text_lengths", _I32, count)
+    if (lengths < 0).any() or int(lengths.sum()) != len(raw):
+        raise DecodeError(f"field 'text_lengths' does not cut the {len(raw)} bytes of 'texts'")
+    try:
+        return [raw[a:b].decode() for a, b in itertools.pairwise(_offsets(lengths))]
+    except UnicodeDecodeError:
+        raise DecodeError("field 'texts' is not UTF-8") from None
+
+
 def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
     lengths_raw = _field(fields, b"lengths")
     if len(lengths_raw) % 4:
@@ -255,6 +290,7 @@ def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
     versions: list[Any] = [None] * len(lengths)
     if b"token_versions" in fields:
         versions = _split(_array(fields, b"token_versions", _I32, total), offsets)
+    texts = _texts(fields, len(lengths))
     meta = _validated(_TRAJECTORY_META, fields, b"meta")
     if len(meta["completions"]) != len(lengths):
         raise DecodeError(f"meta has {len(meta['completions'])} completions for "
@@ -262,7 +298,8 @@ def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
     completions = tuple(
         _assemble(Completion, {
             "completion_ids": ids[i], "logprobs": logprobs[i], "loss_mask": masks[i],
-            "token_versions": _if_changed(versions[i], info["policy_version"]), **info})
+            "token_versions": _if_changed(versions[i], info["policy_version"]),
+            "text": texts[i], **info})
         for i, info in enumerate(meta["completions"])
     )
     try:
@@ -316,8 +353,33 @@ def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -
         raise DecodeError(f"invalid scored group: {_short(exc)}") from None
 
 
+def trajectory_ref(fields: Mapping[bytes, bytes]) -> str | None:
+    """The traj entry id a reference-form scored entry names; None for any other entry."""
+    ref = fields.get(TRAJECTORY_REF)
+    if ref is None or fields.get(b"kind") != b"scored":
+        return None
+    return ref.decode(errors="replace")
+
+
+def join_trajectory(scored: Mapping[bytes, bytes], trajectory: Mapping[bytes, bytes]) -> Fields:
+    """The inline form of a reference-form scored entry, given the traj entry it names.
+
+    Raises ``DecodeError`` when that entry is not the same group's trajectory.
+    """
+    for name in _IDENTITY_FIELDS:
+        if trajectory.get(name) != scored.get(name):
+            raise DecodeError(
+                f"traj entry {_field(scored, TRAJECTORY_REF)[:40]!r} does not hold this group: "
+                f"{name.decode()} {trajectory.get(name, b'')[:40]!r} != "
+                f"{scored.get(name, b'')[:40]!r}")
+    fields = {k: v for k, v in trajectory.items() if k in _TRAJECTORY_FIELDS}
+    fields.update((k, v) for k, v in scored.items() if k != TRAJECTORY_REF)
+    return fields
+
+
 def decode(fields: Mapping[bytes, bytes]) -> Message:
-    """Decode stream entry fields into a ``TrajectoryGroup`` or ``ScoredGroup``.
+    """Decode stream entry fields into a ``TrajectoryGroup`` or ``ScoredGroup`` (a scored
+    entry in its inline form: see ``join_trajectory``).
 
     Arrays are zero-copy, read-only views of the entry's bytes.
     """
@@ -325,6 +387,10 @@ def decode(fields: Mapping[bytes, bytes]) -> Message:
     kind = _field(fields, b"kind")
     if kind not in (b"traj", b"scored"):
         raise DecodeError(f"unknown kind {kind[:16]!r}")
+    if kind == b"scored" and TRAJECTORY_REF in fields:
+        raise DecodeError(
+            f"scored entry names traj entry {fields[TRAJECTORY_REF][:40]!r}: join it first "
+            "(schemas.join_trajectory)")
     trajectory = _decode_trajectory(fields)
     if kind == b"traj":
         return trajectory
@@ -345,6 +411,18 @@ def decode_scored(fields: Mapping[bytes, bytes]) -> ScoredGroup:
     if not isinstance(message, ScoredGroup):
         raise DecodeError(f"expected a scored group, got kind {message.kind!r}")
     return message
+
+
+def scored_rewards(fields: Mapping[bytes, bytes]) -> list[float]:
+    """The sequence rewards of a scored entry, either form, without decoding the rest."""
+    check_version(fields)
+    raw = _field(fields, b"rewards")
+    if len(raw) % 4:
+        raise DecodeError(f"field 'rewards' has {len(raw)} bytes, not a multiple of 4")
+    rewards = np.frombuffer(raw, _F32)
+    if not np.isfinite(rewards).all():
+        raise DecodeError("rewards are not finite")
+    return [float(r) for r in rewards]
 
 
 def encode_dead(letter: DeadLetter) -> Fields:

@@ -11,7 +11,14 @@ import asyncio
 import numpy as np
 import redis.asyncio as aioredis
 
-from consumers.bus import Delivery, ReaderSettings, StreamReader, follow
+from consumers.bus import (
+    Delivery,
+    ReaderSettings,
+    StreamReader,
+    follow,
+    join_trajectories,
+    trim_streams,
+)
 from consumers.stage import Drop, Forward, Stage
 from producers.publisher import Publisher
 from schemas import decode_dead, decode_scored, decode_trajectory, encode
@@ -31,7 +38,9 @@ def reader(redis: aioredis.Redis, consumer: str = "c1", **settings: int) -> Stre
 
 
 async def scored_forward(delivery: Delivery) -> Forward:
-    return Forward(encode(score(decode_trajectory(delivery.fields))))
+    """What the scorer forwards: the scores, naming the traj entry (reference form)."""
+    group = decode_trajectory(delivery.fields)
+    return Forward(encode(score(group), trajectory_id=delivery.entry_id))
 
 
 async def test_group_creation_is_idempotent(redis: aioredis.Redis) -> None:
@@ -125,7 +134,8 @@ async def test_malformed_entries_are_dead_lettered_and_the_consumer_goes_on(
     assert all(letter.detail for letter in letters)
     assert {k: v for k, v in letters[1].payload.items()} == MALFORMED["unknown_version"]
     (scored,) = await redis.xrange(SCORED)
-    assert decode_scored(scored[1]).group_id == "good"
+    [joined] = await join_trajectories(redis, [(SCORED, scored[1])])
+    assert not isinstance(joined, str) and decode_scored(joined).group_id == "good"
     assert (await redis.xpending(TRAJ, "scorers"))["pending"] == 0
 
 
@@ -219,6 +229,40 @@ async def test_trim_keeps_a_retention_window(real_redis: aioredis.Redis) -> None
     await r.ack(await r.read())
     assert await r.trim(retention_ms=60_000) == 0  # acked, but young: kept for replay
     assert await r.trim() == 3
+
+
+async def test_trim_keeps_every_trajectory_an_unconsumed_scored_entry_names(
+    redis: aioredis.Redis,
+) -> None:
+    """Scored entries name traj entries, in any order (reclaimed groups are scored late):
+    the traj floor is the oldest one named by a scored entry the trainer has not consumed."""
+    publisher = Publisher(redis, RUN)
+    for i in range(5):
+        await publisher.publish(make_group(group_id=f"g{i}", tokens=2))
+    scorers = reader(redis, count=5)
+    await scorers.ensure_groups()
+    by_group = {decode_trajectory(d.fields).group_id: d for d in await scorers.read()}
+    for name in ("g1", "g3", "g0", "g4", "g2"):  # the order the scorers finished in
+        delivery = by_group[name]
+        fields = encode(score(decode_trajectory(delivery.fields)), trajectory_id=delivery.entry_id)
+        assert await scorers.forward(delivery, "scored", fields) is not None
+    trainer = StreamReader(redis, [SCORED], "trainer", "t1", ReaderSettings(block_ms=50),
+                           join_trajectories=True)
+    await trainer.ensure_groups()
+    assert await trim_streams(redis, [TRAJ, SCORED]) == 0  # all acked by scorers, none trained
+
+    consumed = await trainer.read(count=3)
+    assert [decode_scored(d.fields).group_id for d in consumed] == ["g1", "g3", "g0"]
+    await trainer.ack(consumed)
+    await trim_streams(redis, [TRAJ, SCORED])
+    kept = [decode_trajectory(f).group_id for _, f in await redis.xrange(TRAJ)]
+    assert kept == ["g2", "g3", "g4"]  # g4 is named first, but g2 still waits to be trained
+    rest = await trainer.read(count=10)
+    assert [decode_scored(d.fields).group_id for d in rest] == ["g4", "g2"]
+
+    await trainer.ack(rest)
+    await trim_streams(redis, [TRAJ, SCORED])
+    assert await redis.xlen(TRAJ) == 0 and await redis.xlen(SCORED) == 0
 
 
 async def test_follow_reads_without_joining_a_group(redis: aioredis.Redis) -> None:

@@ -21,6 +21,9 @@ from schemas import (
     decode_trajectory,
     encode,
     encode_dead,
+    join_trajectory,
+    scored_rewards,
+    trajectory_ref,
 )
 from tests.factories import make_group, score
 
@@ -145,12 +148,17 @@ MALFORMED = {
     "odd_lengths": ({**_fields(), b"lengths": b"\x01"}, DecodeError, "not a multiple of 4"),
     "negative_length": ({**_fields(), b"lengths": np.array([-4, 12], "<i4").tobytes()},
                         DecodeError, "negative"),
-    "meta_count": ({**_fields(), b"lengths": np.array([8], "<i4").tobytes()}, DecodeError,
-                   "1 lengths"),
+    "meta_count": ({**_fields(), b"lengths": np.array([8], "<i4").tobytes(),
+                    b"text_lengths": np.array([len(_fields()[b"texts"])], "<i4").tobytes()},
+                   DecodeError, "1 lengths"),
     "bad_version_number": ({**_fields(), b"policy_version": b"x"}, DecodeError, "invalid"),
     "missing_meta_key": ({**_fields(), b"meta": b"{}"}, DecodeError, "'meta' is invalid"),
     "wrong_meta_type": ({**_fields(), b"meta": _fields()[b"meta"].replace(
-        b'"text":"', b'"text":1,"x":"')}, DecodeError, "'meta' is invalid"),
+        b'"finish_reason":"', b'"finish_reason":1,"x":"')}, DecodeError, "'meta' is invalid"),
+    "texts_cut_wrong": ({**_fields(), b"texts": _fields()[b"texts"] + b"x"}, DecodeError,
+                        "does not cut"),
+    "texts_not_utf8": ({**_fields(), b"texts": b"\xff" * len(_fields()[b"texts"])},
+                       DecodeError, "'texts' is not UTF-8"),
     "non_utf8_id": ({**_fields(), b"group_id": b"\xff\xfe"}, DecodeError, "not UTF-8"),
     "scored_without_scores": ({**_fields(), b"kind": b"scored"}, DecodeError,
                               "missing field 'rewards'"),
@@ -194,9 +202,22 @@ def test_token_advantages_travel_only_when_not_a_broadcast() -> None:
     assert decode_scored(fields).scores[0].token_advantages.tolist() == [1.0, 2.0, 3.0]
 
 
-def test_scored_entry_can_carry_the_trajectory_bytes_unchanged() -> None:
+def test_reference_form_joins_back_to_the_inline_form() -> None:
     group = make_group()
     traj_fields = encode(group)
-    fields = encode(score(group), trajectory_fields=traj_fields)
-    assert fields == encode(score(group))
-    assert all(fields[k] is traj_fields[k] for k in (b"meta", b"completion_ids"))
+    fields = encode(score(group), trajectory_id="7-0")
+    assert trajectory_ref(fields) == "7-0" and trajectory_ref(traj_fields) is None
+    assert not {b"meta", b"completion_ids", b"logprobs", b"loss_mask"} & set(fields)
+    with pytest.raises(DecodeError, match="join it first"):
+        decode(fields)
+    joined = join_trajectory(fields, traj_fields)
+    assert joined == encode(score(group))
+    assert all(joined[k] is traj_fields[k] for k in (b"meta", b"completion_ids"))  # no copy
+    assert scored_rewards(fields) == scored_rewards(joined) == [s.reward for s in
+                                                               score(group).scores]
+
+
+def test_join_refuses_another_groups_trajectory() -> None:
+    fields = encode(score(make_group(group_id="a")), trajectory_id="7-0")
+    with pytest.raises(DecodeError, match="does not hold this group"):
+        join_trajectory(fields, encode(make_group(group_id="b")))

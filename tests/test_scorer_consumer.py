@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from consumers.bus import join_trajectories
 from ops.cli import Exit, main
 from ops.roles import run_scorer
 from ops.settings import ScorerSettings
 from producers.publisher import Publisher
-from schemas import decode_dead, decode_scored
+from schemas import ScoredGroup, decode_dead, decode_scored
 from schemas.keys import counters_key, stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
@@ -34,6 +35,14 @@ advantages: {method: grpo, zero_variance: drop}
 pool: {workers: 1}
 """
 TEXTS = ["<think>\\n6 times 7</think>#### 42", "#### 41", "<think>x</think>no", "#### 42"]
+
+
+async def scored_groups(redis: aioredis.Redis, run: str = RUN) -> list[ScoredGroup]:
+    """The run's scored stream, each entry joined with its trajectory and decoded."""
+    key = stream_key(run, 0, "scored")
+    joined = await join_trajectories(redis, [(key, f) for _, f in await redis.xrange(key)])
+    assert not any(isinstance(f, str) for f in joined), joined
+    return [decode_scored(f) for f in joined if not isinstance(f, str)]
 
 
 async def publish(redis: aioredis.Redis, count: int, prefix: str = "g") -> None:
@@ -58,8 +67,7 @@ async def test_scorer_scores_forwards_and_dead_letters(
                               processes=1)
     stage = await run_scorer(settings, asyncio.Event(), burst=True)
     assert (stage.forwarded, stage.dropped, stage.dead_lettered) == (3, 1, 1)
-    scored = [decode_scored(f) for _, f in await real_redis.xrange(stream_key(RUN, 0, "scored"))]
-    group = scored[0]
+    group = (await scored_groups(real_redis))[0]
     assert [s.components["accuracy"] for s in group.scores] == [1.0, 0.0, 0.0, 1.0]
     assert [s.components["format"] for s in group.scores] == [1.0, 0.0, 1.0, 0.0]
     assert [s.reward for s in group.scores] == [1.5, 0.0, 0.5, 1.0]
@@ -115,8 +123,7 @@ async def test_killed_scorer_entries_are_reclaimed_and_forwarded_once(
     await asyncio.sleep(0.5)
     stop.set()
     await asyncio.wait_for(task, 30)
-    ids = [decode_scored(f).group_id for _, f in await real_redis.xrange(
-        stream_key(RUN, 0, "scored"))]
+    ids = [g.group_id for g in await scored_groups(real_redis)]
     assert sorted(ids) == sorted(f"nap{i}" for i in range(12))  # each exactly once
     assert (await real_redis.xpending(stream_key(RUN, 0, "traj"), "scorers"))["pending"] == 0
 
@@ -156,8 +163,7 @@ async def test_rescore_replays_into_another_run(
         str(alternative), "--into", "scoring-b"], {})
     assert code == Exit.OK
     assert "rescored into run 'scoring-b': 5 scored, 0 dropped" in capsys.readouterr().err
-    rescored = [decode_scored(f) for _, f in await real_redis.xrange(
-        stream_key("scoring-b", 0, "scored"))]
+    rescored = await scored_groups(real_redis, "scoring-b")  # written inline: no join
     assert len(rescored) == 5 and all(g.trajectory.run == "scoring-b" for g in rescored)
     assert list(rescored[0].scores[0].components) == ["length"]
     assert rescored[0].scores[0].reward == pytest.approx(len(TEXTS[0].replace("\\\\", "\\")) / 10)
@@ -191,14 +197,19 @@ async def test_scorer_trims_acked_entries_of_both_streams(
             break
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.2)
-    assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == 0  # scored and acked: trimmed
-    assert await real_redis.xlen(scored_key) == 4  # the trainer has not acked anything yet
+    traj_key = stream_key(RUN, 0, "traj")
+    # The scorers acked every traj entry, but the scored entries name them and the trainer
+    # has consumed none: both streams are kept whole.
+    assert await real_redis.xlen(traj_key) == 4
+    assert await real_redis.xlen(scored_key) == 4
     taken = await real_redis.xreadgroup("trainer", "t", {scored_key: ">"}, count=3)
     await real_redis.xack(scored_key, "trainer", *[i for i, _ in taken[0][1]])
     for _ in range(50):
-        if await real_redis.xlen(scored_key) == 1:
+        if await real_redis.xlen(scored_key) == 1 and await real_redis.xlen(traj_key) == 1:
             break
         await asyncio.sleep(0.05)
     stop.set()
     await asyncio.wait_for(task, 30)
     assert await real_redis.xlen(scored_key) == 1  # only the unread group is left
+    assert await real_redis.xlen(traj_key) == 1  # and the trajectory it names
+    assert len(await scored_groups(real_redis)) == 1

@@ -9,8 +9,10 @@ the forward script forwards each group once. Per group:
   dead letter with the ``RewardError``'s reason;
 - a zero-variance group under ``zero_variance: drop`` → dropped, counted by reason;
 - otherwise a ``ScoredGroup`` with rewards, each component's raw values, advantages and
-  per-token advantages is forwarded. Components scored 0 by the ``zero`` policy are
-  flagged in the entry and counted under ``flag:<component>:<reason>``.
+  per-token advantages is forwarded, in reference form: the scored entry names the traj
+  entry instead of copying its token arrays (``schemas.codec``). Components scored 0 by
+  the ``zero`` policy are flagged in the entry and counted under
+  ``flag:<component>:<reason>``.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class Scorer:
             return Drop(result)
         if result.flags:
             await self._count_flags(delivery, result.flags)
-        return Forward(encode(result, trajectory_fields=delivery.fields))
+        return Forward(encode(result, trajectory_id=delivery.entry_id))
 
     async def _count_flags(self, delivery: Delivery, flags: Sequence[str]) -> None:
         # Flags are informational (the group is still forwarded), so they are counted with a

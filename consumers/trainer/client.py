@@ -7,6 +7,8 @@ consumer name after a restart), then reclaims entries other trainers left idle l
 
 What happens to an entry before it reaches a batch:
 
+- its trajectory's traj entry is gone: dead-lettered as ``trajectory_missing`` (the
+  reader joins each scored entry with the traj entry it names, see ``consumers.bus``);
 - undecodable / unknown schema version: dead-lettered with the reason (``drop:<reason>``);
 - its ``group_id`` is already in the client's hands or recorded as trained (a re-run of
   a rollout job republished it): acked and counted ``drop:duplicate``; if the recorded
@@ -25,8 +27,9 @@ Resume design (checkpoint/resume neither skips nor repeats a group):
   handed out but not acked are not in it: they are not trained, and stay pending.
 - ``load_state(state)`` re-delivers, before anything else, every group the state's log
   holds after that id: groups acked after the checkpoint whose training was lost with the
-  crash. Their entries are fetched from the scored streams by id, so the scored streams
-  must keep acked entries at least one checkpoint interval (``retention`` when trimming);
+  crash. Their entries are fetched from the scored streams by id (and joined with their
+  traj entries), so the streams must keep acked entries at least one checkpoint interval
+  (``retention`` when trimming);
   a trimmed entry raises ResumeError instead of silently skipping. Unacked batches come
   back through the pending list (own pending, or reclaim under another consumer name).
 - Replayed groups are not recorded twice and are never stale-checked (they were admitted
@@ -126,6 +129,7 @@ class TrainerClient:
             ReaderSettings(block_ms=s.block_ms, count=s.read_count,
                            reclaim_idle_ms=s.reclaim_idle_ms, reclaim_every_s=s.reclaim_every_s,
                            max_deliveries=s.max_deliveries),
+            join_trajectories=True,
         )
         await self._reader.ensure_groups()
         self._log_head = await self._ledger.log_head()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import orjson
 import redis.asyncio as aioredis
 
-from consumers.bus import translated_errors
+from consumers.bus import join_trajectories, translated_errors
 from consumers.trainer.errors import ResumeError
 from schemas import Fields
 from schemas.keys import (
@@ -161,7 +161,8 @@ class Ledger:
                 start = _text(page[-1][0])
 
     async def fetch(self, entries: Sequence[TrainedEntry]) -> list[Fields | None]:
-        """The scored-stream fields of each entry, None where it was trimmed away."""
+        """The scored-stream fields of each entry in inline form (joined with its traj
+        entry), None where it or its trajectory was trimmed away."""
         if not entries:
             return []
         async with translated_errors("fetching entries to replay"):
@@ -169,7 +170,13 @@ class Ledger:
             for entry in entries:
                 pipe.xrange(entry.stream, min=entry.entry_id, max=entry.entry_id, count=1)
             replies = await pipe.execute()
-        return [dict(reply[0][1]) if reply else None for reply in replies]
+        found = [(e.stream, dict(r[0][1])) for e, r in zip(entries, replies, strict=True) if r]
+        joined = iter(await join_trajectories(self.redis, found))
+        out: list[Fields | None] = []
+        for reply in replies:
+            fields = next(joined) if reply else None
+            out.append(fields if isinstance(fields, dict) else None)  # str: trajectory gone
+        return out
 
 
 def _logged(fields: dict[bytes, bytes]) -> list[TrainedEntry]:

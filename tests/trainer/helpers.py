@@ -27,11 +27,18 @@ def client(redis: aioredis.Redis, consumer: str = "rank0", **settings: object) -
 
 async def publish_scored(redis: aioredis.Redis, group: TrajectoryGroup | ScoredGroup,
                          partitions: int = 1) -> str:
-    """XADD a scored group to its partition's scored stream, as the scorer's forward does."""
+    """Publish a group's trajectory to its partition's traj stream and its scores to the
+    scored stream in reference form, as the publisher and the scorer's forward do."""
     scored = group if isinstance(group, ScoredGroup) else score(group)
     await redis.hsetnx(state_key(RUN), PARTITIONS_FIELD, str(partitions))
-    key = stream_key(RUN, partition_of(scored.group_id, partitions), "scored")
-    entry_id = await redis.xadd(key, encode(scored))  # type: ignore[arg-type]
+    partition = partition_of(scored.group_id, partitions)
+    traj_id = _text(await redis.xadd(stream_key(RUN, partition, "traj"),
+                                     encode(scored.trajectory)))  # type: ignore[arg-type]
+    return _text(await redis.xadd(stream_key(RUN, partition, "scored"),
+                                  encode(scored, trajectory_id=traj_id)))  # type: ignore[arg-type]
+
+
+def _text(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
+from schemas import decode_dead
 from schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
 from tests.factories import make_group
 from tests.trainer.helpers import RUN, client, counter, publish_many, publish_scored
@@ -142,6 +143,31 @@ async def test_undecodable_entries_are_dead_lettered(redis: aioredis.Redis) -> N
     assert await counter(redis, "drop:decode_error") == 1
     assert await counter(redis, "drop:unknown_version_error") == 1
     assert await redis.xlen(stream_key(RUN, 0, "dead")) == 2
+
+
+async def test_scored_entries_are_joined_with_their_trajectory(redis: aioredis.Redis) -> None:
+    """The scored stream holds only scores and a traj entry id; the client reads the token
+    arrays from that traj entry. One whose traj entry is gone is dead-lettered, never lost
+    silently, and one naming another group's trajectory too."""
+    group = make_group(group_id="kept", tokens=5)
+    await publish_scored(redis, group)
+    await publish_scored(redis, make_group(group_id="orphan"))
+    await publish_scored(redis, make_group(group_id="mixed-up"))
+    traj = await redis.xrange(stream_key(RUN, 0, "traj"))
+    await redis.xdel(stream_key(RUN, 0, "traj"), traj[1][0])
+    scored = await redis.xrange(stream_key(RUN, 0, "scored"))
+    assert all(b"completion_ids" not in fields for _, fields in scored)
+    await redis.xadd(stream_key(RUN, 0, "scored"), {  # names the first group's trajectory
+        **scored[2][1], b"traj": traj[0][0]})
+    async with client(redis) as tc:
+        batch = await tc.next_batch(groups=3, timeout_s=0.5)
+    assert batch.group_ids == ["kept", "mixed-up"]
+    assert batch.groups[0].trajectory.completions[0].completion_ids.tolist() == \
+        group.completions[0].completion_ids.tolist()
+    assert await counter(redis, "drop:trajectory_missing") == 2
+    dead = [decode_dead(f) for _, f in await redis.xrange(stream_key(RUN, 0, "dead"))]
+    assert [d.payload[b"group_id"] for d in dead] == [b"orphan", b"mixed-up"]
+    assert "is gone" in dead[0].detail and "does not hold this group" in dead[1].detail
 
 
 async def test_restart_takes_back_own_pending_first(redis: aioredis.Redis) -> None:
