@@ -49,9 +49,8 @@ _DEAD_PAYLOAD_PREFIX = b"payload:"
 
 
 def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:
-    if not arrays:
-        return b""
-    return np.concatenate(arrays).astype(dtype, copy=False).tobytes()
+    # one copy: join reads each (contiguous, little-endian) array's buffer directly
+    return b"".join(np.ascontiguousarray(a, dtype=dtype).data for a in arrays)
 
 
 def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
@@ -216,9 +215,10 @@ def _meta_model(model: type[BaseModel], exclude: set[str], name: str,
     return typed
 
 
-# The JSON documents in ``meta`` and ``score_meta``: validated in one pass straight from the
-# bytes (pydantic-core), after which the arrays — typed and sized by construction — are
-# attached without another validation round per completion.
+# The JSON documents in ``meta`` and ``score_meta``, and the identity fields, are validated
+# against the models' own field types in one pydantic-core pass each; the arrays are typed
+# and sized by construction. The models are then assembled from those values without a
+# second validation (``_assemble``).
 _CompletionMeta = _meta_model(
     Completion, {"completion_ids", "logprobs", "loss_mask", "token_versions", "text"},
     "CompletionMeta")
@@ -229,8 +229,12 @@ _TrajectoryMeta = _meta_model(
 _ScoreMeta = _meta_model(
     ScoredGroup, {"v", "kind", "trajectory", "scores"}, "ScoreMeta",
     components=list[dict[str, FiniteFloat | None]])
+_IDENTITY_NAMES = {"group_id", "run", "env", "policy_version"}
+_Identity = _meta_model(TrajectoryGroup, set(TrajectoryGroup.model_fields) - _IDENTITY_NAMES,
+                        "Identity")
 _TRAJECTORY_META = TypeAdapter(_TrajectoryMeta)
 _SCORE_META = TypeAdapter(_ScoreMeta)
+_IDENTITY = TypeAdapter(_Identity)
 
 
 def _assemble(model: type[M], values: dict[str, Any]) -> M:
@@ -302,18 +306,21 @@ def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
             "text": texts[i], **info})
         for i, info in enumerate(meta["completions"])
     )
+    if not completions:
+        raise DecodeError("invalid trajectory group: it has no completions")
     try:
-        return TrajectoryGroup(
-            group_id=_text(fields, b"group_id"),
-            run=_text(fields, b"run"),
-            env=_text(fields, b"env"),
-            policy_version=int(_field(fields, b"policy_version")),
-            prompt_ids=np.frombuffer(prompt_raw, _I32),
-            completions=completions,
-            **{name: value for name, value in meta.items() if name != "completions"},
-        )
+        identity = _IDENTITY.validate_python({
+            "group_id": _text(fields, b"group_id"),
+            "run": _text(fields, b"run"),
+            "env": _text(fields, b"env"),
+            "policy_version": int(_field(fields, b"policy_version")),
+        })
     except (ValidationError, ValueError) as exc:
         raise DecodeError(f"invalid trajectory group: {_short(exc)}") from None
+    del meta["completions"]
+    return _assemble(TrajectoryGroup, {
+        "v": SCHEMA_VERSION, "kind": "traj", **identity,
+        "prompt_ids": np.frombuffer(prompt_raw, _I32), "completions": completions, **meta})
 
 
 def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -> ScoredGroup:
@@ -344,13 +351,9 @@ def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -
             "token_rewards": token_rewards[i]})
         for i in range(n)
     )
-    try:
-        return ScoredGroup(
-            trajectory=trajectory, scores=scores,
-            **{name: value for name, value in meta.items() if name != "components"},
-        )
-    except (ValidationError, ValueError) as exc:
-        raise DecodeError(f"invalid scored group: {_short(exc)}") from None
+    del meta["components"]
+    return _assemble(ScoredGroup, {
+        "v": SCHEMA_VERSION, "kind": "scored", "trajectory": trajectory, "scores": scores, **meta})
 
 
 def trajectory_ref(fields: Mapping[bytes, bytes]) -> str | None:
