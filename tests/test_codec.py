@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,6 +153,18 @@ MALFORMED = {
                     b"text_lengths": np.array([len(_fields()[b"texts"])], "<i4").tobytes()},
                    DecodeError, "1 lengths"),
     "bad_version_number": ({**_fields(), b"policy_version": b"x"}, DecodeError, "invalid"),
+    "negative_version": ({**_fields(), b"policy_version": b"-1"}, DecodeError,
+                         "invalid trajectory group.*policy_version"),
+    "empty_group_id": ({**_fields(), b"group_id": b""}, DecodeError,
+                       "invalid trajectory group.*group_id"),
+    "no_completions": ({**_fields(), b"lengths": b"", b"text_lengths": b"", b"texts": b"",
+                        b"completion_ids": b"", b"logprobs": b"", b"loss_mask": b""},
+                       DecodeError, "meta has 2 completions for 0 lengths"),
+    "empty_group": ({**_fields(), b"lengths": b"", b"text_lengths": b"", b"texts": b"",
+                     b"completion_ids": b"", b"logprobs": b"", b"loss_mask": b"",
+                     b"meta": orjson.dumps({**orjson.loads(_fields()[b"meta"]),
+                                            "completions": []})},
+                    DecodeError, "has no completions"),
     "missing_meta_key": ({**_fields(), b"meta": b"{}"}, DecodeError, "'meta' is invalid"),
     "wrong_meta_type": ({**_fields(), b"meta": _fields()[b"meta"].replace(
         b'"finish_reason":"', b'"finish_reason":1,"x":"')}, DecodeError, "'meta' is invalid"),
