@@ -579,7 +579,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
     print_table(
         ["buffered entries", "used_memory B/token", "MEMORY USAGE B/token"],
-        [[what, delta, usage] for what, delta, usage in memory],
+        [[what, f"{delta:.2f}", f"{usage:.2f}"] for what, delta, usage in memory],
         title=f"Redis memory per buffered completion token "
               f"({min(args.buffered, args.groups)} groups; the traj payload is "
               f"{traj_size / tokens_per_group:.2f} B/token)",

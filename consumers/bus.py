@@ -13,8 +13,9 @@ Delivery rules (DESIGN.md §3):
   for each XACK that returns 0 the script deletes that entry's copy just added. EXEC is
   atomic, so no reader ever sees such a copy: of two consumers racing on a reclaimed entry
   exactly one forwards it. ``forward_many`` runs one script per source stream, not one per
-  entry. The payload stays out of Lua on purpose: copying a 0.5 MB group into script
-  arguments cost Redis 7.0 three times the CPU of the XADD itself (bench/bus.py).
+  entry. The payload stays out of Lua on purpose: a dead letter carries a whole group, and
+  copying a 0.5 MB group into script arguments cost Redis 7.0 three times the CPU of the
+  XADD itself (measured with bench/bus.py's groups).
 - A scored entry names its trajectory's traj entry instead of copying it (see
   ``schemas.codec``); a reader made with ``join_trajectories=True`` (the trainer's) merges
   that entry in before handing deliveries out, one pipelined XRANGE per batch. An entry
