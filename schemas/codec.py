@@ -53,6 +53,18 @@ def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:
     return b"".join(np.ascontiguousarray(a, dtype=dtype).data for a in arrays)
 
 
+def _identity(group: TrajectoryGroup, kind: bytes) -> Fields:
+    """The fields every group entry starts with: version, kind and the group's identity."""
+    return {
+        b"v": str(SCHEMA_VERSION).encode(),
+        b"kind": kind,
+        b"group_id": group.group_id.encode(),
+        b"run": group.run.encode(),
+        b"env": group.env.encode(),
+        b"policy_version": str(group.policy_version).encode(),
+    }
+
+
 def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
     completions = group.completions
     # Completion texts are bulk (a quarter of a long group's bytes): raw UTF-8 beside the
@@ -76,13 +88,8 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
             for c in completions
         ],
     }
-    fields: Fields = {
-        b"v": str(SCHEMA_VERSION).encode(),
-        b"kind": kind,
-        b"group_id": group.group_id.encode(),
-        b"run": group.run.encode(),
-        b"env": group.env.encode(),
-        b"policy_version": str(group.policy_version).encode(),
+    fields = _identity(group, kind)
+    fields.update({
         b"meta": _dumps(meta),
         b"texts": b"".join(texts),
         b"text_lengths": np.array([len(t) for t in texts], _I32).tobytes(),
@@ -91,7 +98,7 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
         b"completion_ids": _pack([c.completion_ids for c in completions], _I32),
         b"logprobs": _pack([c.logprobs for c in completions], _F32),
         b"loss_mask": _pack([c.loss_mask for c in completions], _U8),
-    }
+    })
     if any(c.token_versions is not None for c in completions):
         fields[b"token_versions"] = _pack([c.versions for c in completions], _I32)
     return fields
@@ -115,16 +122,8 @@ def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
     if isinstance(message, TrajectoryGroup):
         return _encode_trajectory(message, b"traj")
     if trajectory_id is not None:
-        group = message.trajectory
-        fields: Fields = {
-            b"v": str(SCHEMA_VERSION).encode(),
-            b"kind": b"scored",
-            b"group_id": group.group_id.encode(),
-            b"run": group.run.encode(),
-            b"env": group.env.encode(),
-            b"policy_version": str(group.policy_version).encode(),
-            TRAJECTORY_REF: trajectory_id.encode(),
-        }
+        fields = _identity(message.trajectory, b"scored")
+        fields[TRAJECTORY_REF] = trajectory_id.encode()
     else:
         fields = _encode_trajectory(message.trajectory, b"scored")
     scores = message.scores
