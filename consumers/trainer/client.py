@@ -256,14 +256,16 @@ class TrainerClient:
                 listed.add(entry.group_id)
                 unique.append(entry)
         fetched = await self._ledger.fetch(unique)
-        missing = [e for e, f in zip(unique, fetched, strict=True) if f is None]
+        missing = [(e, f) for e, f in zip(unique, fetched, strict=True) if isinstance(f, str)]
         if missing:
+            first, why = missing[0]
+            where = "traj" if why else "scored"  # "": the scored entry itself is gone
             raise ResumeError(
-                f"{len(missing)} of {len(unique)} groups to replay were trimmed from the scored "
-                f"streams (first: {missing[0].stream} {missing[0].entry_id}); keep the trim "
-                "retention longer than the checkpoint interval")
+                f"{len(missing)} of {len(unique)} groups to replay were trimmed from the {where} "
+                f"streams (first: {first.stream} {first.entry_id}{': ' + why if why else ''}); "
+                "keep the trim retention longer than the checkpoint interval")
         for entry, fields in zip(unique, fetched, strict=True):
-            assert fields is not None
+            assert not isinstance(fields, str)
             try:
                 group = decode_scored(fields)
             except DecodeError as exc:

@@ -160,9 +160,10 @@ class Ledger:
                     found += _logged(fields)
                 start = _text(page[-1][0])
 
-    async def fetch(self, entries: Sequence[TrainedEntry]) -> list[Fields | None]:
+    async def fetch(self, entries: Sequence[TrainedEntry]) -> list[Fields | str]:
         """The scored-stream fields of each entry in inline form (joined with its traj
-        entry), None where it or its trajectory was trimmed away."""
+        entry); where they are gone, why: ``""`` when the scored entry itself was trimmed,
+        else what is wrong with its trajectory."""
         if not entries:
             return []
         async with translated_errors("fetching entries to replay"):
@@ -172,11 +173,7 @@ class Ledger:
             replies = await pipe.execute()
         found = [(e.stream, dict(r[0][1])) for e, r in zip(entries, replies, strict=True) if r]
         joined = iter(await join_trajectories(self.redis, found))
-        out: list[Fields | None] = []
-        for reply in replies:
-            fields = next(joined) if reply else None
-            out.append(fields if isinstance(fields, dict) else None)  # str: trajectory gone
-        return out
+        return [next(joined) if reply else "" for reply in replies]
 
 
 def _logged(fields: dict[bytes, bytes]) -> list[TrainedEntry]:
