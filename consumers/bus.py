@@ -32,6 +32,7 @@ BUSYGROUP/NOGROUP/NOSCRIPT replies are matched in this module and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -53,6 +54,7 @@ from schemas import (
 from schemas.keys import DROP_PREFIX, partner_key
 
 T = TypeVar("T")
+_ENTRY_ID = re.compile(r"^\d+-\d+$")
 
 # KEYS[1] source stream, KEYS[2] counters hash; ARGV[1] group, ARGV[2] counter field ('' for
 # none), ARGV[3..] entry ids. Acks them; counts only those this call's XACK acked first.
@@ -99,6 +101,7 @@ return won
 _SAFE_TRIM = """
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if ms == nil then return nil end
   return {tonumber(ms), tonumber(seq)}
 end
 local function less(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end
@@ -457,9 +460,16 @@ async def join_trajectories(redis: aioredis.Redis,
     the traj entry it names merged in (one pipelined XRANGE for all); other entries come
     back unchanged. Where the named entry is gone or holds another group, the reason why
     comes back instead of fields."""
-    refs = [(i, stream, ref) for i, (stream, fields) in enumerate(entries)
-            if (ref := trajectory_ref(fields)) is not None]
     out: list[Fields | str] = [fields for _, fields in entries]
+    refs: list[tuple[int, str, str]] = []
+    for i, (stream, fields) in enumerate(entries):
+        ref = trajectory_ref(fields)
+        if ref is None:
+            continue
+        if _ENTRY_ID.match(ref):
+            refs.append((i, stream, ref))
+        else:
+            out[i] = f"field 'traj' is not a stream entry id: {ref[:40]!r}"
     if not refs:
         return out
     async with translated_errors("reading trajectories"):

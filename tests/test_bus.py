@@ -250,6 +250,7 @@ async def test_trim_keeps_every_trajectory_an_unconsumed_scored_entry_names(
                            join_trajectories=True)
     await trainer.ensure_groups()
     assert await trim_streams(redis, [TRAJ, SCORED]) == 0  # all acked by scorers, none trained
+    await redis.xadd(SCORED, {b"v": b"1", b"kind": b"scored", b"traj": b"garbage"})  # not ours
 
     consumed = await trainer.read(count=3)
     assert [decode_scored(d.fields).group_id for d in consumed] == ["g1", "g3", "g0"]
@@ -259,6 +260,8 @@ async def test_trim_keeps_every_trajectory_an_unconsumed_scored_entry_names(
     assert kept == ["g2", "g3", "g4"]  # g4 is named first, but g2 still waits to be trained
     rest = await trainer.read(count=10)
     assert [decode_scored(d.fields).group_id for d in rest] == ["g4", "g2"]
+    (letter,) = [decode_dead(f) for _, f in await redis.xrange(DEAD)]  # the garbage reference
+    assert letter.reason == "trajectory_missing" and "not a stream entry id" in letter.detail
 
     await trainer.ack(rest)
     await trim_streams(redis, [TRAJ, SCORED])
