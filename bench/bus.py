@@ -587,7 +587,7 @@ async def main_async(args: argparse.Namespace) -> int:
     for mode, ratio in ratios.items():
         verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
         judged = " (the verdict)" if mode == modes[0] else " (context)"
-        print(f"rollq/raw groups/s ratio, {mode}: {ratio:.2f} (target >= {TARGET_RATIO}) "
+        print(f"rollq/raw groups/s ratio, {mode}: {ratio:.3f} (target >= {TARGET_RATIO}) "
               f"{verdict}{judged}")
     return 0
 
