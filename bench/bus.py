@@ -62,6 +62,7 @@ from bench.common import (
     run_role_processes,
 )
 from consumers.bus import Delivery, ReaderSettings, StreamReader
+from consumers.scorer.advantages import broadcast_advantages
 from consumers.stage import Forward, Stage
 from producers.publisher import Publisher
 from schemas import (
@@ -145,17 +146,17 @@ def make_groups(count: int, group_size: int, seq_len: int, text_bytes: int,
 
 
 def trivial_scores(group: TrajectoryGroup) -> ScoredGroup:
-    """What a scorer forwards, with constant rewards: every advantage zero."""
+    """What a scorer forwards, with constant rewards: every advantage zero (per token too,
+    broadcast as the scorer does)."""
+    zeros = np.zeros(len(group.completions), np.float32)
+    token_advantages = broadcast_advantages(zeros, [len(c.completion_ids)
+                                                    for c in group.completions])
     return ScoredGroup(
         trajectory=group,
         scores=tuple(
-            SequenceScore(
-                reward=0.0,
-                advantage=0.0,
-                token_advantages=np.zeros(len(c.completion_ids), np.float32),
-                components={"bench": 0.0},
-            )
-            for c in group.completions
+            SequenceScore(reward=0.0, advantage=0.0, token_advantages=t,
+                          components={"bench": 0.0})
+            for t in token_advantages
         ),
         weights={"bench": 1.0},
         reward_config="bench",

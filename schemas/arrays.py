@@ -21,6 +21,9 @@ UInt8Array = npt.NDArray[np.uint8]
 
 def _as_array(dtype: type[np.generic]) -> Any:
     def validate(value: Any) -> np.ndarray[Any, Any]:
+        if (type(value) is np.ndarray and value.dtype == dtype and value.ndim == 1
+                and not value.flags.writeable):
+            return value  # already what the model holds: frozen, typed, 1-D
         try:
             array = np.asarray(value, dtype=dtype)
         except (TypeError, ValueError, OverflowError) as exc:

@@ -63,9 +63,15 @@ def is_zero_variance(rewards: ArrayLike, tolerance: float = 1e-12) -> bool:
 def broadcast_advantages(
     advantages: NDArray[np.float32], lengths: Sequence[int]
 ) -> list[NDArray[np.float32]]:
-    """Each completion's sequence advantage repeated over its `lengths[i]` tokens."""
-    return [np.full(length, advantage, dtype=np.float32)
-            for advantage, length in zip(advantages, lengths, strict=True)]
+    """Each completion's sequence advantage repeated over its `lengths[i]` tokens.
+
+    The arrays are read-only views of one buffer: one allocation per group, and the wire
+    models take frozen arrays without a defensive copy.
+    """
+    flat = np.repeat(np.asarray(advantages, dtype=np.float32), lengths)
+    flat.flags.writeable = False
+    ends = np.cumsum(lengths).tolist()
+    return [flat[end - length:end] for end, length in zip(ends, lengths, strict=True)]
 
 
 def compute_process_advantages(
