@@ -461,26 +461,25 @@ async def join_trajectories(redis: aioredis.Redis,
     back unchanged. Where the named entry is gone or holds another group, the reason why
     comes back instead of fields."""
     out: list[Fields | str] = [fields for _, fields in entries]
-    refs: list[tuple[int, str, str]] = []
+    refs: list[tuple[int, str, str]] = []  # (index, traj stream, entry id)
     for i, (stream, fields) in enumerate(entries):
         ref = trajectory_ref(fields)
         if ref is None:
             continue
         if _ENTRY_ID.match(ref):
-            refs.append((i, stream, ref))
+            refs.append((i, partner_key(stream, "traj"), ref))
         else:
             out[i] = f"field 'traj' is not a stream entry id: {ref[:40]!r}"
     if not refs:
         return out
     async with translated_errors("reading trajectories"):
         pipe = redis.pipeline(transaction=False)
-        for _, stream, ref in refs:
-            pipe.xrange(partner_key(stream, "traj"), min=ref, max=ref, count=1)
+        for _, traj, ref in refs:
+            pipe.xrange(traj, min=ref, max=ref, count=1)
         replies = await pipe.execute()
-    for (i, stream, ref), reply in zip(refs, replies, strict=True):
+    for (i, traj, ref), reply in zip(refs, replies, strict=True):
         if not reply:
-            source = partner_key(stream, "traj")
-            out[i] = f"traj entry {ref} of {source} is gone (trimmed or deleted)"
+            out[i] = f"traj entry {ref} of {traj} is gone (trimmed or deleted)"
             continue
         try:
             out[i] = join_trajectory(entries[i][1], reply[0][1])

@@ -107,7 +107,9 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
 _TRAJECTORY_FIELDS = frozenset({
     b"v", b"group_id", b"run", b"env", b"policy_version", b"meta", b"texts", b"text_lengths",
     b"lengths", b"prompt_ids", b"completion_ids", b"logprobs", b"loss_mask", b"token_versions"})
-_IDENTITY_FIELDS = (b"group_id", b"run", b"env", b"policy_version")
+_IDENTITY_NAMES = ("group_id", "run", "env", "policy_version")
+"""A group's identity fields: plain ASCII/UTF-8 in every group entry, traj and scored."""
+_IDENTITY_FIELDS = tuple(name.encode() for name in _IDENTITY_NAMES)
 TRAJECTORY_REF = b"traj"
 """Field of a reference-form scored entry: the id of its trajectory's traj entry."""
 
@@ -228,9 +230,8 @@ _TrajectoryMeta = _meta_model(
 _ScoreMeta = _meta_model(
     ScoredGroup, {"v", "kind", "trajectory", "scores"}, "ScoreMeta",
     components=list[dict[str, FiniteFloat | None]])
-_IDENTITY_NAMES = {"group_id", "run", "env", "policy_version"}
-_Identity = _meta_model(TrajectoryGroup, set(TrajectoryGroup.model_fields) - _IDENTITY_NAMES,
-                        "Identity")
+_Identity = _meta_model(TrajectoryGroup,
+                        set(TrajectoryGroup.model_fields) - set(_IDENTITY_NAMES), "Identity")
 _TRAJECTORY_META = TypeAdapter(_TrajectoryMeta)
 _SCORE_META = TypeAdapter(_ScoreMeta)
 _IDENTITY = TypeAdapter(_Identity)
