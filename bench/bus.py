@@ -44,7 +44,6 @@ import gc
 import os
 import sys
 import time
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -59,6 +58,7 @@ from bench.common import (
     payload_bytes,
     print_table,
     redis_cpu,
+    report_role,
     run_role_processes,
 )
 from consumers.bus import Delivery, ReaderSettings, StreamReader
@@ -379,10 +379,7 @@ async def _prepare(job: RoleJob, client: aioredis.Redis) -> Callable[[], Awaitab
 
 def _role_main(job: RoleJob, messages: Any, start: Any) -> None:
     """Entry point of a role process (see ``bench.common.run_role_processes``)."""
-    try:
-        messages.put(("done", job.role, asyncio.run(_role(job, messages, start))))
-    except BaseException:
-        messages.put(("error", job.role, traceback.format_exc()))
+    report_role(job.role, messages, lambda: asyncio.run(_role(job, messages, start)))
 
 
 async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:

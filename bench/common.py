@@ -13,6 +13,7 @@ import queue
 import statistics
 import subprocess
 import tempfile
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -23,7 +24,7 @@ import redis.asyncio as aioredis
 from ops.stack import RedisProcess, free_port
 
 __all__ = ["BenchRedis", "fmt", "free_port", "median_of", "payload_bytes", "print_table",
-           "redis_cpu", "run_role_processes"]
+           "redis_cpu", "report_role", "run_role_processes"]
 
 
 class BenchRedis(RedisProcess):
@@ -124,7 +125,8 @@ def run_role_processes(entry: Callable[[Any, Any, Any], None], jobs: Sequence[An
     for process in processes:
         process.start()
     try:
-        ready, reports = 0, {}
+        ready = 0
+        reports: dict[str, dict[str, float]] = {}
         while len(reports) < len(jobs):
             try:
                 kind, role, data = messages.get(timeout=silence_s)
@@ -144,3 +146,12 @@ def run_role_processes(entry: Callable[[Any, Any, Any], None], jobs: Sequence[An
             if process.is_alive():
                 process.terminate()
     return reports
+
+
+def report_role(role: str, messages: Any, run: Callable[[], dict[str, float]]) -> None:
+    """The child side of ``run_role_processes``: ``run()`` the role and put
+    ``("done", role, report)``, or ``("error", role, traceback)`` if it raised."""
+    try:
+        messages.put(("done", role, run()))
+    except BaseException:
+        messages.put(("error", role, traceback.format_exc()))

@@ -42,7 +42,6 @@ import gc
 import os
 import sys
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ from bench.common import (
     payload_bytes,
     print_table,
     redis_cpu,
+    report_role,
     run_role_processes,
 )
 from bench.scorer import make_completion_text, make_problem
@@ -329,11 +329,7 @@ def _role_main(job: RoleJob, messages: Any, start: Any) -> None:
     """Entry point of a role process: set up, report ``ready``, wait for ``start``, run,
     report ``done`` with its figures (or ``error`` with the traceback)."""
     configure_logging("json", "warning")
-    try:
-        report = asyncio.run(_role(job, messages, start))
-        messages.put(("done", job.role, report))
-    except BaseException:
-        messages.put(("error", job.role, traceback.format_exc()))
+    report_role(job.role, messages, lambda: asyncio.run(_role(job, messages, start)))
 
 
 async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
