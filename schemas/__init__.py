@@ -4,6 +4,7 @@ This package is the leaf of the import graph: it imports nothing else of rollq's
 trainer can depend on it alone.
 """
 
+from schemas.arrays import broadcast, is_broadcast
 from schemas.codec import (
     Fields,
     decode,
@@ -55,12 +56,14 @@ __all__ = [
     "TrajectoryGroup",
     "TransientError",
     "UnknownVersionError",
+    "broadcast",
     "decode",
     "decode_dead",
     "decode_scored",
     "decode_trajectory",
     "encode",
     "encode_dead",
+    "is_broadcast",
     "join_trajectory",
     "scored_rewards",
     "trajectory_ref",

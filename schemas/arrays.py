@@ -8,6 +8,7 @@ once; an array that already has the right dtype is taken without a copy and froz
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import numpy as np
@@ -37,6 +38,24 @@ def _as_array(dtype: type[np.generic]) -> Any:
         return array
 
     return PlainValidator(validate)
+
+
+def broadcast(values: npt.ArrayLike, lengths: Sequence[int]) -> list[Float32Array]:
+    """``values[i]`` repeated ``lengths[i]`` times, for each ``i``: float32 read-only views
+    with stride 0, so a broadcast value costs no per-token memory and ``is_broadcast`` can
+    recognise it without reading the tokens."""
+    packed = np.ascontiguousarray(values, dtype="<f4").tobytes()  # immutable: views are read-only
+    if len(packed) != 4 * len(lengths):
+        raise ValueError(f"{len(packed) // 4} values for {len(lengths)} lengths")
+    return [np.ndarray((length,), np.float32, buffer=packed, offset=4 * i, strides=(0,))
+            for i, length in enumerate(lengths)]
+
+
+def is_broadcast(array: Float32Array, value: float) -> bool:
+    """Whether every element of ``array`` equals ``value``: O(1) for ``broadcast`` views."""
+    if array.strides == (0,) or len(array) == 0:
+        return len(array) == 0 or bool(array[0] == value)
+    return not (array != value).any()
 
 
 def _to_list(array: np.ndarray[Any, Any]) -> list[Any]:

@@ -29,6 +29,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
+from schemas.arrays import broadcast, is_broadcast
 from schemas.errors import ContractError, DecodeError, UnknownVersionError
 from schemas.models import (
     SCHEMA_VERSION,
@@ -143,7 +144,8 @@ def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
     fields[b"advantages"] = advantages.tobytes()
     # Per-token advantages travel only when they are not the sequence advantage broadcast
     # (process rewards): for plain GRPO they would add a third to the entry for nothing.
-    if any((s.token_advantages != a).any() for s, a in zip(scores, advantages, strict=True)):
+    if not all(is_broadcast(s.token_advantages, a) for s, a in zip(scores, advantages,
+                                                                    strict=True)):
         fields[b"token_advantages"] = _pack([s.token_advantages for s in scores], _F32)
     if any(s.token_rewards is not None for s in scores):
         fields[b"token_rewards"] = _pack(
@@ -270,8 +272,9 @@ def _texts(fields: Mapping[bytes, bytes], count: int) -> list[str]:
     lengths = _array(fields, b"text_lengths", _I32, count)
     if (lengths < 0).any() or int(lengths.sum()) != len(raw):
         raise DecodeError(f"field 'text_lengths' does not cut the {len(raw)} bytes of 'texts'")
+    view = memoryview(raw)  # decode each text straight from the entry's bytes
     try:
-        return [raw[a:b].decode() for a, b in itertools.pairwise(_offsets(lengths))]
+        return [str(view[a:b], "utf-8") for a, b in itertools.pairwise(_offsets(lengths))]
     except UnicodeDecodeError:
         raise DecodeError("field 'texts' is not UTF-8") from None
 
@@ -332,11 +335,9 @@ def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -
     if not (np.isfinite(rewards).all() and np.isfinite(advantages).all()):
         raise DecodeError("rewards or advantages are not finite")
     if b"token_advantages" in fields:
-        flat = _array(fields, b"token_advantages", _F32, total)
+        token_advantages = _split(_array(fields, b"token_advantages", _F32, total), offsets)
     else:
-        flat = np.repeat(advantages, lengths)
-        flat.flags.writeable = False
-    token_advantages = _split(flat, offsets)
+        token_advantages = broadcast(advantages, lengths.tolist())
     token_rewards: list[Any] = [None] * n
     if b"token_rewards" in fields:
         token_rewards = _split(_array(fields, b"token_rewards", _F32, total), offsets)

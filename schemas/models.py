@@ -113,7 +113,8 @@ class SequenceScore(_Frozen):
     """The sequence advantage under the configured estimator (GRPO, Dr.GRPO, RLOO)."""
     token_advantages: Floats
     """Per-token advantages (float32), one per completion token; the sequence advantage
-    broadcast, or token-level values when process rewards are configured."""
+    broadcast (a read-only stride-0 view, ``schemas.broadcast``), or token-level values when
+    process rewards are configured."""
     components: dict[str, FiniteFloat | None] = Field(default_factory=dict)
     """Each component's raw (unweighted) value; None where the component skipped."""
     token_rewards: Floats | None = None

@@ -59,9 +59,9 @@ def test_schemas_public_surface_is_pinned() -> None:
         "SCHEMA_VERSION", "BrokerUnavailable", "Completion", "ConfigError", "ContractError",
         "DeadLetter", "DecodeError", "Fields", "InferenceUnavailable", "Message",
         "RewardError", "RollqError", "ScoredGroup", "SequenceScore", "TrajectoryGroup",
-        "TransientError", "UnknownVersionError", "decode", "decode_dead", "decode_scored",
-        "decode_trajectory", "encode", "encode_dead", "join_trajectory", "scored_rewards",
-        "trajectory_ref",
+        "TransientError", "UnknownVersionError", "broadcast", "decode", "decode_dead",
+        "decode_scored", "decode_trajectory", "encode", "encode_dead", "is_broadcast",
+        "join_trajectory", "scored_rewards", "trajectory_ref",
     ])
     for name in schemas.__all__:
         assert hasattr(schemas, name)

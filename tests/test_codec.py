@@ -16,12 +16,14 @@ from schemas import (
     ScoredGroup,
     TrajectoryGroup,
     UnknownVersionError,
+    broadcast,
     decode,
     decode_dead,
     decode_scored,
     decode_trajectory,
     encode,
     encode_dead,
+    is_broadcast,
     join_trajectory,
     scored_rewards,
     trajectory_ref,
@@ -213,6 +215,36 @@ def test_token_advantages_travel_only_when_not_a_broadcast() -> None:
     fields = encode(shaped)
     assert b"token_advantages" in fields
     assert decode_scored(fields).scores[0].token_advantages.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_broadcast_views_cost_no_per_token_memory() -> None:
+    views = broadcast(np.array([0.5, -2.0]), [3, 0])
+    assert [v.tolist() for v in views] == [[0.5, 0.5, 0.5], []]
+    assert all(v.dtype == np.float32 and v.strides == (0,) for v in views)
+    with pytest.raises(ValueError):
+        views[0][0] = 1.0  # read-only
+    with pytest.raises(ValueError, match="2 values for 3 lengths"):
+        broadcast([1.0, 2.0], [1, 1, 1])
+
+
+def test_is_broadcast_reads_stride_zero_views_and_checks_other_arrays() -> None:
+    assert is_broadcast(broadcast([0.5], [4])[0], 0.5)
+    assert not is_broadcast(broadcast([0.5], [4])[0], 0.25)
+    assert is_broadcast(np.full(4, 0.5, np.float32), 0.5)
+    assert not is_broadcast(np.array([0.5, 0.5, 0.5, 0.4], np.float32), 0.5)
+    assert is_broadcast(np.zeros(0, np.float32), 3.0)
+
+
+def test_a_stride_zero_view_of_another_value_still_travels() -> None:
+    # A broadcast of something other than the sequence advantage is token-level data.
+    group = make_group(group_size=2, tokens=3)
+    scored = score(group, [0.0, 1.0])
+    odd = scored.scores[0].model_copy(update={"token_advantages": broadcast([9.0], [3])[0]})
+    fields = encode(scored.model_copy(update={"scores": (odd, scored.scores[1])}))
+    assert b"token_advantages" in fields
+    decoded = decode_scored(fields)
+    assert decoded.scores[0].token_advantages.tolist() == [9.0, 9.0, 9.0]
+    assert decoded.scores[1].token_advantages.tolist() == [0.5, 0.5, 0.5]
 
 
 def test_reference_form_joins_back_to_the_inline_form() -> None:

@@ -15,6 +15,8 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from schemas import broadcast
+
 AdvantageMethod = Literal["grpo", "dr_grpo", "rloo"]
 
 
@@ -65,13 +67,11 @@ def broadcast_advantages(
 ) -> list[NDArray[np.float32]]:
     """Each completion's sequence advantage repeated over its `lengths[i]` tokens.
 
-    The arrays are read-only views of one buffer: one allocation per group, and the wire
-    models take frozen arrays without a defensive copy.
+    The arrays are read-only stride-0 views (`schemas.broadcast`): no per-token memory, the
+    wire models take them without a copy, and the codec sees at a glance that they need not
+    travel (the scored entry carries the sequence advantages only).
     """
-    flat = np.repeat(np.asarray(advantages, dtype=np.float32), lengths)
-    flat.flags.writeable = False
-    ends = np.cumsum(lengths).tolist()
-    return [flat[end - length:end] for end, length in zip(ends, lengths, strict=True)]
+    return broadcast(advantages, lengths)
 
 
 def compute_process_advantages(

@@ -61,6 +61,7 @@ def test_broadcast_advantages() -> None:
     result = broadcast_advantages(np.array([1.5, -1.5], dtype=np.float32), [2, 3])
     assert [r.tolist() for r in result] == [[1.5, 1.5], [-1.5, -1.5, -1.5]]
     assert all(r.dtype == np.float32 for r in result)
+    assert all(r.strides == (0,) and not r.flags.writeable for r in result)  # no per-token copy
 
 
 def test_process_advantages_return_to_go() -> None:
