@@ -47,8 +47,12 @@ def broadcast(values: npt.ArrayLike, lengths: Sequence[int]) -> list[Float32Arra
     packed = np.ascontiguousarray(values, dtype="<f4").tobytes()  # immutable: views are read-only
     if len(packed) != 4 * len(lengths):
         raise ValueError(f"{len(packed) // 4} values for {len(lengths)} lengths")
-    return [np.ndarray((length,), np.float32, buffer=packed, offset=4 * i, strides=(0,))
-            for i, length in enumerate(lengths)]
+    if min(lengths, default=0) < 0:
+        raise ValueError(f"negative length in {list(lengths)}")
+    # One [len(values), max(lengths)] grid of stride (4, 0); each row cut to its length.
+    grid = np.ndarray((len(lengths), max(lengths, default=0)), np.float32, buffer=packed,
+                      strides=(4, 0))
+    return [row[:length] for row, length in zip(grid, lengths, strict=True)]
 
 
 def is_broadcast(array: Float32Array, value: float) -> bool:

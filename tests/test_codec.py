@@ -225,6 +225,9 @@ def test_broadcast_views_cost_no_per_token_memory() -> None:
         views[0][0] = 1.0  # read-only
     with pytest.raises(ValueError, match="2 values for 3 lengths"):
         broadcast([1.0, 2.0], [1, 1, 1])
+    with pytest.raises(ValueError, match="negative length"):
+        broadcast([1.0], [-1])
+    assert broadcast([], []) == []
 
 
 def test_is_broadcast_reads_stride_zero_views_and_checks_other_arrays() -> None:
