@@ -25,6 +25,11 @@ processes  each role in its own OS process (spawned; all set up, then started at
            The verdict is taken here.
 loop       every role of a variant on one asyncio loop in this process, each on its own
            client: all client work shares one core.
+The verdict is rollq/raw in processes mode, taken run by run (raw and rollq run back to
+back, the first of the two alternating between runs, so the machine's drift hits both
+sides of a ratio alike) and medianed over the runs; the ratio of the two medians is printed
+beside it. On a noisy machine the paired ratio is the steadier of the two: raw alone can
+move by 2x between runs a minute apart.
 Wall time runs from the first XADD/publish to the last ack of the last consumer
 (``time.monotonic``, system-wide on Linux). Groups/s and MB/s use the trajectory payload
 (the bytes of ``encode(group)``) for every variant. Client CPU is this process's CPU (loop)
@@ -481,9 +486,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def paired_ratios(results: dict[str, list[Result]], name: str) -> list[float]:
+    """``name``'s groups/s over raw's, run by run (each pair measured back to back)."""
+    return [r.groups_per_s / base.groups_per_s
+            for r, base in zip(results[name], results["raw"], strict=True)]
+
+
 def _table(mode: str, results: dict[str, list[Result]], args: argparse.Namespace,
-           traj_size: float) -> float:
-    """Print one mode's table; returns rollq's median groups/s over raw's."""
+           traj_size: float) -> tuple[float, float, list[float]]:
+    """Print one mode's table; returns rollq/raw as the median of the per-run (paired)
+    ratios, as the ratio of the medians, and the per-run ratios."""
     tokens_per_group = args.group_size * args.seq_len
     medians = {name: median_of(r.groups_per_s for r in runs) for name, runs in results.items()}
     rows = []
@@ -494,14 +506,15 @@ def _table(mode: str, results: dict[str, list[Result]], args: argparse.Namespace
             medians[name],
             medians[name] * traj_size / 1e6,
             medians[name] * tokens_per_group / 1e6,
-            f"{medians[name] / medians['raw']:.2f}",
+            f"{median_of(paired_ratios(results, name)):.2f}",
             f"{median_of(r.client_cpu_s / r.groups * 1e3 for r in runs):.2f}",
             f"{median_of(r.redis_cpu_s / r.groups * 1e3 for r in runs):.2f}",
         ])
     print_table(["variant", "groups/s per run", "median groups/s", "MB/s (traj payload)",
-                 "Mtokens/s", "vs raw", "client CPU ms/group", "redis CPU ms/group"], rows,
-                title=f"{mode}: {args.groups} groups/run, median of {args.runs} runs")
-    return medians["rollq"] / medians["raw"]
+                 "Mtokens/s", "vs raw (paired)", "client CPU ms/group", "redis CPU ms/group"],
+                rows, title=f"{mode}: {args.groups} groups/run, median of {args.runs} runs")
+    ratios = paired_ratios(results, "rollq")
+    return median_of(ratios), medians["rollq"] / medians["raw"], ratios
 
 
 async def main_async(args: argparse.Namespace) -> int:
@@ -539,11 +552,14 @@ async def main_async(args: argparse.Namespace) -> int:
         await run_raw(url, payloads[:warm], args.batch, copies)
         await run_rollq(url, groups[:warm], args.batch)
 
-        ratios: dict[str, float] = {}
+        ratios: dict[str, tuple[float, float, list[float]]] = {}
         for mode in modes:
             results: dict[str, list[Result]] = {name: [] for name in variants}
-            for run in range(args.runs):  # interleaved, so drift hits every variant alike
-                for name in variants:
+            for run in range(args.runs):
+                # Interleaved, raw and rollq back to back with the first of them alternating:
+                # the machine's drift hits both sides of each run's ratio alike.
+                pair = ["raw", "rollq"] if run % 2 == 0 else ["rollq", "raw"]
+                for name in pair + [v for v in variants if v not in pair]:
                     gc.collect()
                     redis_before = await redis_cpu(url)
                     cpu_before = time.process_time()
@@ -582,11 +598,12 @@ async def main_async(args: argparse.Namespace) -> int:
               f"({min(args.buffered, args.groups)} groups; the traj payload is "
               f"{traj_size / tokens_per_group:.2f} B/token)",
     )
-    for mode, ratio in ratios.items():
-        verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
+    for mode, (paired, of_medians, per_run) in ratios.items():
+        verdict = "OK" if paired >= TARGET_RATIO else "BELOW TARGET"
         judged = " (the verdict)" if mode == modes[0] else " (context)"
-        print(f"rollq/raw groups/s ratio, {mode}: {ratio:.3f} (target >= {TARGET_RATIO}) "
-              f"{verdict}{judged}")
+        print(f"rollq/raw groups/s, {mode}: per run {' '.join(f'{r:.2f}' for r in per_run)}; "
+              f"median {paired:.3f} (target >= {TARGET_RATIO}) {verdict}{judged}; "
+              f"ratio of the medians {of_medians:.3f}")
     return 0
 
 
