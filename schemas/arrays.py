@@ -57,8 +57,10 @@ def broadcast(values: npt.ArrayLike, lengths: Sequence[int]) -> list[Float32Arra
 
 def is_broadcast(array: Float32Array, value: float) -> bool:
     """Whether every element of ``array`` equals ``value``: O(1) for ``broadcast`` views."""
-    if array.strides == (0,) or len(array) == 0:
-        return len(array) == 0 or bool(array[0] == value)
+    if len(array) == 0:
+        return True
+    if array.strides == (0,):  # every element is the first one
+        return bool(array[0] == value)
     return not (array != value).any()
 
 

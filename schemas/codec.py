@@ -270,7 +270,7 @@ def _texts(fields: Mapping[bytes, bytes], count: int) -> list[str]:
     """The completion texts: ``texts`` cut at the UTF-8 byte lengths in ``text_lengths``."""
     raw = _field(fields, b"texts")
     lengths = _array(fields, b"text_lengths", _I32, count).tolist()
-    if (lengths and min(lengths) < 0) or sum(lengths) != len(raw):
+    if min(lengths, default=0) < 0 or sum(lengths) != len(raw):
         raise DecodeError(f"field 'text_lengths' does not cut the {len(raw)} bytes of 'texts'")
     view = memoryview(raw)  # decode each text straight from the entry's bytes
     try:
@@ -284,7 +284,7 @@ def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
     if len(lengths_raw) % 4:
         raise DecodeError(f"field 'lengths' has {len(lengths_raw)} bytes, not a multiple of 4")
     lengths = np.frombuffer(lengths_raw, _I32).tolist()
-    if lengths and min(lengths) < 0:
+    if min(lengths, default=0) < 0:
         raise DecodeError("field 'lengths' has a negative length")
     offsets = _offsets(lengths)
     total = offsets[-1]
