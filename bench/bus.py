@@ -38,7 +38,7 @@ Redis memory per buffered token: B groups XADDed (raw) / published (rollq) with 
 consuming, ``used_memory`` before/after and ``MEMORY USAGE`` of the stream, per completion
 token; for rollq also the scored stream after a Stage forwarded them.
 
-Run from the repository root:  python -m bench.bus  [--groups 300 --runs 5 --mode both]
+Run from the repository root:  python -m bench.bus  [--groups 300 --runs 9 --mode both]
 """
 
 from __future__ import annotations
@@ -467,7 +467,7 @@ async def measure_memory(url: str, groups: list[TrajectoryGroup], payloads: list
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.bus", description=__doc__.split("\n")[0])
     parser.add_argument("--groups", type=int, default=300, help="groups per run (default 300)")
-    parser.add_argument("--runs", type=int, default=5, help="runs per variant (default 5)")
+    parser.add_argument("--runs", type=int, default=9, help="runs per variant (default 9)")
     parser.add_argument("--mode", choices=["both", "processes", "loop"], default="both",
                         help="one OS process per role, all roles on one loop, or both "
                              "(default; the verdict is taken on processes)")
