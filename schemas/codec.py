@@ -183,6 +183,15 @@ def _array(fields: Mapping[bytes, bytes], name: bytes, dtype: np.dtype[Any], cou
     return np.frombuffer(raw, dtype=dtype)
 
 
+def _whole_array(fields: Mapping[bytes, bytes], name: bytes, dtype: np.dtype[Any]) -> Any:
+    """A field of any count of ``dtype`` values (its byte length a multiple of their size)."""
+    raw = _field(fields, name)
+    if len(raw) % dtype.itemsize:
+        raise DecodeError(f"field {name.decode()!r} has {len(raw)} bytes, not a multiple of "
+                          f"{dtype.itemsize}")
+    return np.frombuffer(raw, dtype=dtype)
+
+
 def _text(fields: Mapping[bytes, bytes], name: bytes) -> str:
     try:
         return _field(fields, name).decode()
@@ -280,17 +289,12 @@ def _texts(fields: Mapping[bytes, bytes], count: int) -> list[str]:
 
 
 def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
-    lengths_raw = _field(fields, b"lengths")
-    if len(lengths_raw) % 4:
-        raise DecodeError(f"field 'lengths' has {len(lengths_raw)} bytes, not a multiple of 4")
-    lengths = np.frombuffer(lengths_raw, _I32).tolist()
+    lengths = _whole_array(fields, b"lengths", _I32).tolist()
     if min(lengths, default=0) < 0:
         raise DecodeError("field 'lengths' has a negative length")
     offsets = _offsets(lengths)
     total = offsets[-1]
-    prompt_raw = _field(fields, b"prompt_ids")
-    if len(prompt_raw) % 4:
-        raise DecodeError(f"field 'prompt_ids' has {len(prompt_raw)} bytes, not a multiple of 4")
+    prompt_ids = _whole_array(fields, b"prompt_ids", _I32)
     ids = _split(_array(fields, b"completion_ids", _I32, total), offsets)
     logprobs = _split(_array(fields, b"logprobs", _F32, total), offsets)
     masks = _split(_array(fields, b"loss_mask", _U8, total), offsets)
@@ -323,7 +327,7 @@ def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
     del meta["completions"]
     return _assemble(TrajectoryGroup, {
         "v": SCHEMA_VERSION, "kind": "traj", **identity,
-        "prompt_ids": np.frombuffer(prompt_raw, _I32), "completions": completions, **meta})
+        "prompt_ids": prompt_ids, "completions": completions, **meta})
 
 
 def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -> ScoredGroup:
@@ -420,10 +424,7 @@ def decode_scored(fields: Mapping[bytes, bytes]) -> ScoredGroup:
 def scored_rewards(fields: Mapping[bytes, bytes]) -> list[float]:
     """The sequence rewards of a scored entry, either form, without decoding the rest."""
     check_version(fields)
-    raw = _field(fields, b"rewards")
-    if len(raw) % 4:
-        raise DecodeError(f"field 'rewards' has {len(raw)} bytes, not a multiple of 4")
-    rewards = np.frombuffer(raw, _F32)
+    rewards = _whole_array(fields, b"rewards", _F32)
     if not np.isfinite(rewards).all():
         raise DecodeError("rewards are not finite")
     return [float(r) for r in rewards]
