@@ -11,16 +11,19 @@ import argparse
 import asyncio
 import os
 import sys
+import traceback
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 
-from ops.logging import configure_logging
-from ops.settings import CommonSettings, load_settings
+from ops.logging import configure_logging, say_error, uses_json
+from ops.settings import CommonSettings, load_settings, redact_url
 from schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
+from schemas.failures import describe
 
 
 class Exit(IntEnum):
@@ -43,19 +46,30 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", help="Redis URL [ROLLQ_REDIS_URL, default "
                         "redis://127.0.0.1:6379/0]")
     parser.add_argument("--run", help="run name [ROLLQ_RUN, default 'default']")
+    parser.add_argument("--log-format", choices=["auto", "json", "console"],
+                        help="log lines as JSON or for a terminal [ROLLQ_LOG_FORMAT, auto: "
+                        "JSON unless stderr is a terminal]")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="[ROLLQ_LOG_LEVEL, info]; debug also prints tracebacks")
 
 
 def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str, str],
                  **overrides: Any) -> Any:
-    """Load a role's settings with the common flags, then configure logging from them."""
+    """Load a role's settings with the common flags, then configure logging from them.
+
+    The settings are also kept on ``args``, so ``main`` can word a failure with them.
+    """
     settings = load_settings(
         cls,
         environ=environ,
         config_file=getattr(args, "config", None),
         overrides={"redis_url": getattr(args, "redis_url", None),
-                   "run": getattr(args, "run", None), **overrides},
+                   "run": getattr(args, "run", None),
+                   "log_format": getattr(args, "log_format", None),
+                   "log_level": getattr(args, "log_level", None), **overrides},
     )
     configure_logging(settings.log_format, settings.log_level)
+    args.settings = settings
     return settings
 
 
@@ -87,25 +101,63 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """Run ``rollq`` with ``argv``; returns the exit code."""
+    """Run ``rollq`` with ``argv``; returns the exit code.
+
+    Expected failures end in one line that says what to fix and a named exit code; a
+    traceback is printed only with ``--log-level debug``. In JSON log mode the line is JSON.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     environ = os.environ if environ is None else environ
     handler: Handler = args.handler
     try:
         return asyncio.run(handler(args, environ))
-    except ConfigError as exc:
-        print(f"rollq: {exc}", file=sys.stderr)
-        return Exit.CONFIG
-    except BrokerUnavailable as exc:
-        print(f"rollq: cannot reach Redis: {exc}\n  start a server (redis-server) or point "
-              "--redis-url / ROLLQ_REDIS_URL at one", file=sys.stderr)
-        return Exit.UNAVAILABLE
-    except InferenceUnavailable as exc:
-        print(f"rollq: inference unavailable: {exc}", file=sys.stderr)
-        return Exit.UNAVAILABLE
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
+    except Exception as exc:  # the CLI edge: every failure becomes a line and an exit code
+        code, message = explain(exc, args, environ)
+        settings: CommonSettings | None = getattr(args, "settings", None)
+        log_format = settings.log_format if settings else (
+            getattr(args, "log_format", None) or environ.get("ROLLQ_LOG_FORMAT", "auto"))
+        log_level = settings.log_level if settings else (
+            getattr(args, "log_level", None) or environ.get("ROLLQ_LOG_LEVEL", "info"))
+        json_format = uses_json(log_format if log_format in ("json", "console") else "auto")
+        say_error(message, json_format=json_format, exit_code=int(code),
+                  command=getattr(args, "command", None), error=type(exc).__name__)
+        if log_level == "debug":
+            traceback.print_exception(exc, file=sys.stderr)
+        return code
+
+
+def explain(exc: BaseException, args: argparse.Namespace,
+            environ: Mapping[str, str]) -> tuple[Exit, str]:
+    """The exit code and the one-line message for a command that raised ``exc``."""
+    settings: CommonSettings | None = getattr(args, "settings", None)
+    redis_url = redact_url(settings.redis_url if settings else (
+        getattr(args, "redis_url", None) or environ.get("ROLLQ_REDIS_URL")
+        or "redis://127.0.0.1:6379/0"))
+    if isinstance(exc, ConfigError):
+        return Exit.CONFIG, str(exc)
+    if isinstance(exc, BrokerUnavailable | redis_errors.ConnectionError |
+                  redis_errors.TimeoutError | ConnectionError):
+        return Exit.UNAVAILABLE, (
+            f"cannot reach Redis at {redis_url}: {_cause(exc)}; start a server "
+            "(redis-server) or point --redis-url / ROLLQ_REDIS_URL at one")
+    if isinstance(exc, redis_errors.AuthenticationError | redis_errors.AuthorizationError |
+                  redis_errors.NoPermissionError):
+        return Exit.CONFIG, (f"Redis at {redis_url} refused the credentials or the command: "
+                             f"{_cause(exc)}; check the URL's user and password and the ACL")
+    if isinstance(exc, InferenceUnavailable):
+        return Exit.UNAVAILABLE, f"inference unavailable: {_cause(exc)}"
+    return Exit.FAILURE, (f"{getattr(args, 'command', 'command')} failed: {describe(exc)} "
+                          "(run with --log-level debug for the traceback)")
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost message of an exception chain (redis-py wraps OSErrors)."""
+    while exc.__cause__ is not None and str(exc.__cause__):
+        exc = exc.__cause__
+    return str(exc) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_origin
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -50,6 +51,31 @@ class CommonSettings(BaseModel):
     @classmethod
     def _valid_run(cls, value: str) -> str:
         return check_run_name(value)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _valid_redis_url(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(f"{redact_url(value)!r} is not a Redis URL: it must start with "
+                             f"{' or '.join(s + '://' for s in REDIS_SCHEMES)} "
+                             "(e.g. redis://127.0.0.1:6379/0)")
+        return value
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: safe for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 class ReaderTuning(CommonSettings):
