@@ -1,0 +1,64 @@
+"""OutageRider: retries through an outage, one line at its start and end, gives up on time."""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+from schemas import BrokerUnavailable
+from schemas.outage import OutageRider
+
+
+class Flaky:
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise BrokerUnavailable(f"down (call {self.calls})")
+        return "ok"
+
+
+def rider(give_up_s: float, clock: list[float]) -> OutageRider:
+    import structlog
+
+    return OutageRider(give_up_s=give_up_s, what="test", log=structlog.get_logger("t"),
+                       base_s=0.0, cap_s=0.0, clock=lambda: clock[0])
+
+
+async def test_rides_out_an_outage_and_logs_it_once() -> None:
+    clock = [0.0]
+    step = Flaky(failures=5)
+    guard = rider(10.0, clock)
+    with capture_logs() as logs:
+        assert await guard.call(step) == "ok"
+    assert step.calls == 6
+    events = [entry["event"] for entry in logs]
+    assert events == ["redis_outage_started", "redis_outage_ended"]
+    assert guard.outages == 1 and guard.down_since is None
+
+
+async def test_gives_up_after_the_give_up_time() -> None:
+    clock = [0.0]
+    guard = rider(3.0, clock)
+
+    async def always_down() -> None:
+        clock[0] += 1.0
+        raise BrokerUnavailable("down")
+
+    with capture_logs() as logs, pytest.raises(BrokerUnavailable):
+        await guard.call(always_down)
+    assert logs[-1]["event"] == "redis_outage_gave_up"
+    assert logs[-1]["seconds"] >= 3.0
+
+
+async def test_other_errors_pass_through() -> None:
+    guard = rider(3.0, [0.0])
+
+    async def broken() -> None:
+        raise ValueError("a bug")
+
+    with pytest.raises(ValueError):
+        await guard.call(broken)
