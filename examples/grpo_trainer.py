@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from consumers.trainer import SyncTrainerClient, TrainerClientSettings
+from consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
+from schemas import BrokerUnavailable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward")
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--sync-give-up-s", type=float, default=300.0,
+                        help="retry a failed weight sync this long (vLLM restarting) [300]")
     parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     parser.add_argument("--metrics", help="JSONL file: one line per step")
     parser.add_argument("--consumer", default="trainer-0")
@@ -92,8 +96,36 @@ def save_checkpoint(path: Path, model: Any, optimizer: Any, step: int,
     tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
 
 
+def publish(client: SyncTrainerClient, step: int, weights_dir: Path, give_up_s: float) -> None:
+    """``publish_policy``, retried while vLLM is unreachable (it may be restarting)."""
+    deadline = time.monotonic() + give_up_s
+    pause = 1.0
+    while True:
+        try:
+            client.publish_policy(step, weights_dir)
+            return
+        except WeightSyncError as exc:
+            if time.monotonic() + pause > deadline:
+                raise
+            print(f"weight sync to step {step} failed, retrying in {pause:.0f} s: {exc}",
+                  file=sys.stderr, flush=True)
+            time.sleep(pause)
+            pause = min(30.0, pause * 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return train(args)
+    except WeightSyncError as exc:
+        print(f"grpo_trainer: {exc}; is vLLM up at {args.inference}?", file=sys.stderr)
+        return 69
+    except BrokerUnavailable as exc:
+        print(f"grpo_trainer: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
+        return 69
+
+
+def train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"resumed at step {step}; replaying {replayed} groups", flush=True)
         # The servers start from the weights this trainer holds (fresh or resumed).
         model.save_pretrained(weights_dir, safe_serialization=True)
-        client.publish_policy(step, weights_dir)
+        publish(client, step, weights_dir, args.sync_give_up_s)
         while step < args.steps:
             started = time.monotonic()
             batch = client.next_batch(groups=args.batch_groups)
@@ -139,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             step += 1
             model.save_pretrained(weights_dir, safe_serialization=True)
-            client.publish_policy(step, weights_dir)
+            publish(client, step, weights_dir, args.sync_give_up_s)
             batch.ack()
             if step % args.checkpoint_every == 0 or step == args.steps:
                 save_checkpoint(checkpoint, model, optimizer, step, client.state())
