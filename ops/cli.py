@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             getattr(args, "log_format", None) or environ.get("ROLLQ_LOG_FORMAT", "auto"))
         log_level = settings.log_level if settings else (
             getattr(args, "log_level", None) or environ.get("ROLLQ_LOG_LEVEL", "info"))
-        json_format = uses_json(log_format if log_format in ("json", "console") else "auto")
+        json_format = log_format == "json" or (log_format != "console" and uses_json("auto"))
         say_error(message, json_format=json_format, exit_code=int(code),
                   command=getattr(args, "command", None), error=type(exc).__name__)
         if log_level == "debug":

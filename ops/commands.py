@@ -10,12 +10,15 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from ops.cli import Exit, redis_client, settings_for
 from ops.settings import CommonSettings
 from ops.status import RunNotFound, collect_status, known_runs, render_status
 from ops.tail import printer
 from schemas import ConfigError
 from schemas.keys import STREAM_NAMES, stream_keys
+from schemas.outage import OutageRider
 
 
 async def _run_exists(redis: Any, run: str) -> tuple[bool, list[str]]:
@@ -43,9 +46,12 @@ async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     redis = redis_client(settings)
     try:
         previous = None
+        # --watch rides out Redis restarts like every long-running role; one shot does not.
+        rider = OutageRider(give_up_s=settings.redis_give_up_s if args.watch else 0.0,
+                            what="status", log=structlog.get_logger("rollq.status"))
         while True:
             try:
-                current = await collect_status(redis, settings.run)
+                current = await rider.call(lambda: collect_status(redis, settings.run))
             except RunNotFound:
                 return _not_found(settings.run, await known_runs(redis))
             if args.json:

@@ -38,6 +38,7 @@ from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
 from schemas import DecodeError, decode_trajectory, encode
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
+from schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.roles")
 
@@ -107,7 +108,10 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                 return stage
             await reader.ensure_groups()
             trimmed_at = time.monotonic()
-            while not stop.is_set():
+            rider = OutageRider(give_up_s=settings.redis_give_up_s, what="scorer", log=log)
+
+            async def step() -> None:
+                nonlocal trimmed_at
                 deliveries = await reader.next_deliveries()
                 if deliveries:
                     await stage.process(deliveries)
@@ -117,11 +121,24 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                     trimmed_at = time.monotonic()
                     await trim_streams(redis, [*reader.streams, *stream_keys(
                         settings.run, partitions, "scored")], int(settings.retention_s * 1000))
+
+            while not stop.is_set():
+                outages = rider.outages
+                await rider.call(step)
+                if rider.outages > outages:  # what was in hand when Redis went: now
+                    await rider.call(lambda: own_pending(reader, stage))
             log.info("scorer_stopped", forwarded=stage.forwarded, dropped=stage.dropped,
                      dead_lettered=stage.dead_lettered)
             return stage
     finally:
         await redis.aclose()
+
+
+async def own_pending(reader: StreamReader, stage: Stage) -> None:
+    """Process the entries this consumer holds unacked (left by an outage or a crash)."""
+    pending = await reader.read_own_pending(count=10_000)
+    if pending:
+        await stage.process(pending)
 
 
 async def rescore(settings: ScorerSettings, into: str, *, progress: Callable[[str], None],

@@ -7,6 +7,7 @@ workers it forked (vLLM's EngineCore); nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -43,7 +44,8 @@ def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None
 class RedisProcess:
     """A redis-server on a free loopback port; ``restart`` keeps its data directory."""
 
-    def __init__(self, directory: Path, *, appendonly: bool = False) -> None:
+    def __init__(self, directory: Path, *, appendonly: bool = False,
+                 appendfsync: str = "always", port: int | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise ConfigError("redis-server is not installed (Debian: apt-get install "
@@ -51,7 +53,9 @@ class RedisProcess:
         self.binary = binary
         self.directory = directory
         self.appendonly = appendonly
-        self.port = free_port()
+        self.appendfsync = appendfsync
+        """``always`` (tests: nothing acked is lost), ``everysec`` (production default)."""
+        self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -62,7 +66,7 @@ class RedisProcess:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+             "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
              "--dir", str(self.directory), "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
@@ -83,8 +87,18 @@ class RedisProcess:
             _stop_group(self.process)
             self.process = None
 
-    def restart(self) -> None:
-        self.stop()
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: writes not yet fsynced to the AOF are lost."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=5)
+            self.process = None
+
+    def restart(self, *, kill: bool = False) -> None:
+        """Stop (gracefully: SHUTDOWN flushes the AOF; or ``kill``) and start on the same
+        port with the same data directory."""
+        self.kill() if kill else self.stop()
         self.start()
 
 

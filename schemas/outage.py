@@ -73,6 +73,8 @@ class OutageRider:
         """Record one failed attempt: log the outage's start, re-raise past the give-up
         time, else sleep the back-off. For loops that cannot be wrapped in ``call``."""
         now = self.clock()
+        if self.give_up_s == 0:  # riding disabled: fail at once, as a one-shot command does
+            raise exc
         if self.down_since is None:
             self.down_since = now
             self._attempt = 0

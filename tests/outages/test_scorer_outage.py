@@ -1,0 +1,94 @@
+"""A scorer rides out Redis restarts (graceful and kill -9) and forwards every group once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from structlog.testing import capture_logs
+
+from ops.roles import run_scorer
+from ops.settings import ScorerSettings
+from producers.publisher import Publisher
+from schemas.keys import stream_key
+from tests.factories import make_group
+
+RUN = "outage"
+QUICK = ("components:\n  - name: length\n    component: length_bounty\n"
+         "advantages: {zero_variance: keep}\n")
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        if asyncio.get_running_loop().time() > deadline:
+            pytest.fail("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", [False, True], ids=["shutdown", "kill-9"])
+async def test_scorer_rides_out_redis_restarts(make_redis_server: type, tmp_path: Path,
+                                               kill: bool) -> None:
+    server = make_redis_server(appendonly=True).start()
+    config = tmp_path / "quick.yaml"
+    config.write_text(QUICK)
+    redis = aioredis.Redis.from_url(server.url)
+    publisher = Publisher(redis, RUN)
+    scored = stream_key(RUN, 0, "scored")
+    settings = ScorerSettings(redis_url=server.url, run=RUN, reward_config=config,
+                              block_ms=200, redis_give_up_s=30)
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(run_scorer(settings, stop))
+        for i in range(10):
+            await publisher.publish(make_group(run=RUN, group_id=f"before{i}"))
+        await until(lambda: _length(redis, scored, 10))
+        for _ in range(2):  # two outages in a row, the second while groups wait
+            await asyncio.to_thread(server.restart, kill=kill)
+            for i in range(10):
+                await publisher.publish(make_group(run=RUN, group_id=f"after{_}-{i}"))
+        await until(lambda: _length(redis, scored, 30))
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert not task.exception()
+    events = [entry["event"] for entry in logs]
+    assert events.count("redis_outage_started") == events.count("redis_outage_ended") >= 1
+    assert "redis_outage_gave_up" not in events
+    assert (await redis.xpending(stream_key(RUN, 0, "traj"), "scorers"))["pending"] == 0
+    await redis.aclose()
+
+
+async def _length(redis: aioredis.Redis, key: str, expected: int) -> bool:
+    length = int(await redis.xlen(key))
+    assert length <= expected, f"{key} holds {length} entries, more than {expected}"
+    return length == expected
+
+
+@pytest.mark.slow
+async def test_scorer_gives_up_after_its_give_up_time(make_redis_server: type,
+                                                      tmp_path: Path) -> None:
+    server = make_redis_server(appendonly=True).start()
+    config = tmp_path / "quick.yaml"
+    config.write_text(QUICK)
+    settings = ScorerSettings(redis_url=server.url, run=RUN, reward_config=config,
+                              block_ms=100, redis_give_up_s=1.0)
+    task = asyncio.create_task(run_scorer(settings, asyncio.Event()))
+    redis = aioredis.Redis.from_url(server.url)
+    await until(lambda: _groups_exist(redis))
+    await redis.aclose()
+    await asyncio.to_thread(server.kill)
+    from schemas import BrokerUnavailable
+
+    with pytest.raises(BrokerUnavailable):
+        await asyncio.wait_for(task, 20)
+
+
+async def _groups_exist(redis: aioredis.Redis) -> bool:
+    try:
+        return bool(await redis.xinfo_groups(stream_key(RUN, 0, "traj")))
+    except aioredis.ResponseError:
+        return False
