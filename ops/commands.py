@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from ops.atropos import command as atropos_command
 from ops.cli import Exit, redis_client, settings_for
 from ops.settings import CommonSettings
 from ops.status import RunNotFound, collect_status, known_runs, render_status
@@ -306,5 +307,7 @@ COMMANDS: dict[str, Command] = {
     "tail": ("follow a stream of a run live (joins no consumer group)", _tail_args, tail),
     "tiny-model": ("write a tiny random Qwen2 model + tokenizer for local runs (needs the "
                    "'train' extra)", _tiny_model_args, tiny_model),
+    "atropos-api": (atropos_command.HELP, atropos_command.add_arguments,
+                    atropos_command.atropos_api),
 }
 NO_COMMON_FLAGS = {"tiny-model"}

@@ -1,0 +1,288 @@
+"""The Atropos trajectory API on rollq's streams: ``create_app(settings) -> FastAPI``.
+
+Same paths, bodies, answers and status codes as atroposlib 0.4.0's ``run-api`` server, so
+an env in ``serve`` mode and an Atropos trainer work by changing only the URL; what
+differs is that every state change is in Redis before the answer (``ops.atropos.store``).
+Differences a client can see, all on paths atroposlib answers with a crash or not at all:
+
+- a posted group that is not self-consistent (lengths, non-finite floats, ids out of
+  range) is answered 422 with the reason and never stored; atroposlib stores it;
+- ``/status-env`` for an env_id nobody registered is a 404, not a 500;
+- Redis unreachable is a 503 (atroposlib's env client retries on 5xx);
+- ``POST /ack-batch`` (new): ack the batch last handed out without asking for another;
+- ``/batch`` assembles one batch per call, so ``current_step`` counts batches handed out
+  (atroposlib adds every batch it could form at once).
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.middleware.gzip import GZipMiddleware
+from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ops.atropos.models import (
+    EnvIdentifier,
+    EnvRegistered,
+    EnvStatus,
+    Info,
+    RegisterEnv,
+    Registration,
+    ScoredData,
+    Status,
+)
+from ops.atropos.settings import AtroposApiSettings
+from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
+from schemas import ContractError, TransientError
+from schemas.failures import classify
+
+log = structlog.get_logger("rollq.atropos")
+
+_EMPTY_EXAMPLE = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
+                  "generation_params": [], "inference_logprobs": [], "messages": [],
+                  "images": []}
+
+
+class JsonResponse(Response):
+    """A JSON answer rendered with orjson (ints beyond 64 bits fall back to stdlib json)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        if isinstance(content, bytes):
+            return content
+        try:
+            return orjson.dumps(content)
+        except TypeError:  # /register's uuid is a 128-bit int, as atroposlib's
+            import json
+
+            return json.dumps(content, separators=(",", ":")).encode()
+
+
+class GzipRequests:
+    """Inflate request bodies sent with ``Content-Encoding: gzip`` (as atroposlib's env
+    client sends them); a body that is not gzip is a 400 ``Invalid gzip payload``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = MutableHeaders(scope=scope) if scope["type"] == "http" else None
+        if headers is None or "gzip" not in headers.get("content-encoding", "").lower():
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            inflated = gzip.decompress(body) if body else b""
+        except (OSError, EOFError):
+            await PlainTextResponse("Invalid gzip payload", status_code=400)(scope, receive, send)
+            return
+        headers["content-length"] = str(len(inflated))
+        del headers["content-encoding"]
+        sent = False
+
+        async def inflated_receive() -> Message:
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": inflated, "more_body": False}
+
+        await self.app(scope, inflated_receive, send)
+
+
+_GROUP_LIST = TypeAdapter(list[ScoredData])
+
+
+def _problem(status: int, detail: Any) -> JsonResponse:
+    return JsonResponse({"detail": detail}, status_code=status)
+
+
+async def _body(request: Request, model: type[BaseModel]) -> Any:
+    return model.model_validate_json(await request.body())
+
+
+def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = None) -> FastAPI:
+    """The API for ``settings.run``. ``redis`` (tests) is used instead of opening a client
+    from ``settings.redis_url``, and is then not closed here."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = redis or aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+        try:
+            async with AtroposStore(client, settings.run, rewards=settings.rewards,
+                                    consumer_group=settings.consumer_group,
+                                    partitions=settings.partitions,
+                                    lock_timeout_s=settings.lock_timeout_s) as store:
+                app.state.store = store
+                log.info("atropos_api_started", run=settings.run, rewards=settings.rewards,
+                         partitions=store.partitions)
+                yield
+        finally:
+            if redis is None:
+                await client.aclose()
+
+    app = FastAPI(title="rollq Atropos API", lifespan=lifespan,
+                  default_response_class=JsonResponse)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True,
+                       allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(GZipMiddleware, minimum_size=1000, compresslevel=settings.gzip_level)
+    app.add_middleware(GzipRequests)
+
+    def store_of(request: Request) -> AtroposStore:
+        store: AtroposStore = request.app.state.store
+        return store
+
+    @app.exception_handler(ValidationError)
+    async def invalid_body(request: Request, exc: ValidationError) -> JsonResponse:
+        return _problem(422, exc.errors(include_url=False, include_input=False,
+                                        include_context=False))
+
+    @app.exception_handler(ContractError)
+    async def invalid_data(request: Request, exc: ContractError) -> JsonResponse:
+        log.warning("group_rejected", path=request.url.path, detail=str(exc))
+        return _problem(422, str(exc))
+
+    @app.exception_handler(TransientError)
+    async def unavailable(request: Request, exc: TransientError) -> JsonResponse:
+        failure = classify(exc)
+        log.warning("request_failed", path=request.url.path, reason=failure.reason,
+                    detail=failure.detail)
+        return _problem(503, failure.detail)
+
+    @app.exception_handler(UnknownEnv)
+    async def unknown_env(request: Request, exc: UnknownEnv) -> JsonResponse:
+        return _problem(404, str(exc))
+
+    @app.get("/")
+    async def root() -> dict[str, str]:
+        return {"message": "AtroposLib API"}
+
+    @app.post("/register")
+    async def register(registration: Registration, request: Request) -> JsonResponse:
+        requester = await store_of(request).register_trainer(registration.model_dump())
+        return JsonResponse({"uuid": requester})
+
+    @app.post("/register-env")
+    async def register_env(body: RegisterEnv, request: Request) -> dict[str, Any]:
+        env = {"max_context_len": body.max_token_length,
+               "weight": body.weight if body.weight is not None else 1.0,
+               "desired_name": body.desired_name,
+               "min_batch_allocation": body.min_batch_allocation,
+               "group_size": body.group_size}
+        record = await store_of(request).register_env(env)
+        if record is None:
+            return {"status": "wait for trainer to start"}
+        return EnvRegistered(status="success", env_id=record["registered_id"],
+                             wandb_name=record["real_name"],
+                             checkpoint_dir=record["checkpoint_dir"],
+                             starting_step=record["starting_step"],
+                             checkpoint_interval=record["checkpoint_interval"],
+                             num_steps=record["num_steps"]).model_dump()
+
+    @app.post("/disconnect-env")
+    async def disconnect_env(body: EnvIdentifier, request: Request) -> dict[str, Any]:
+        try:
+            await store_of(request).disconnect_env(body.env_id)
+        except UnknownEnv as exc:
+            return {"status": "failure", "error": str(exc)}
+        return {"status": "success"}
+
+    @app.get("/wandb_info")
+    async def wandb_info(request: Request) -> dict[str, Any]:
+        registration = (await store_of(request).state()).get("registration")
+        if registration is None:
+            return {"group": None, "project": None}
+        return {"group": registration["wandb_group"], "project": registration["wandb_project"]}
+
+    @app.get("/info")
+    async def info(request: Request) -> dict[str, Any]:
+        registration = (await store_of(request).state()).get("registration")
+        if registration is None:
+            return Info().model_dump()
+        return Info(batch_size=registration["batch_size"],
+                    max_token_len=registration["max_token_len"]).model_dump()
+
+    @app.get("/batch")
+    async def batch(request: Request) -> Response:
+        try:
+            groups = await store_of(request).next_batch()
+        except NotRegistered:
+            return JsonResponse({"status": "error",
+                                 "message": "Trainer not registered. Call /register first.",
+                                 "batch": []})
+        if groups is None:
+            return JsonResponse(b'{"batch":null}')
+        return JsonResponse(b'{"batch":[' + b",".join(groups) + b"]}")
+
+    @app.post("/ack-batch")
+    async def ack_batch(request: Request) -> dict[str, Any]:
+        """rollq's addition: ack the batch last handed out (after the optimizer step)."""
+        acked = await store_of(request).ack_outstanding()
+        return {"status": "acked", "groups": acked}
+
+    @app.get("/latest_example")
+    async def latest_example(request: Request) -> Response:
+        latest = await store_of(request).latest()
+        return JsonResponse(latest if latest is not None else _EMPTY_EXAMPLE)
+
+    @app.post("/scored_data")
+    async def scored_data(request: Request) -> dict[str, Any]:
+        data = await _body(request, ScoredData)
+        return await store_of(request).post(data)
+
+    @app.post("/scored_data_list")
+    async def scored_data_list(request: Request) -> dict[str, Any]:
+        groups = _GROUP_LIST.validate_json(await request.body())
+        store = store_of(request)
+        for group in groups:  # all or nothing: one bad group and none is stored
+            store.check(group)
+        buffered = 0
+        last_buffer_size: int | None = None
+        for group in groups:
+            result = await store.post(group)
+            if result["status"] == "buffered":
+                buffered += 1
+                last_buffer_size = result.get("buffer_size", last_buffer_size)
+        response: dict[str, Any] = {"status": "received", "groups_processed": len(groups)}
+        if buffered:
+            response["buffered"] = buffered
+            if last_buffer_size is not None:
+                response["last_buffer_size"] = last_buffer_size
+        return response
+
+    @app.get("/status")
+    async def status(request: Request) -> dict[str, Any]:
+        store = store_of(request)
+        state = await store.state()
+        return Status(current_step=int(state.get("step", 0)),
+                      queue_size=await store.queue_size()).model_dump()
+
+    @app.get("/status-env")
+    async def status_env(request: Request) -> dict[str, Any]:
+        body = await _body(request, EnvIdentifier)
+        return EnvStatus(**await store_of(request).env_status(body.env_id)).model_dump()
+
+    @app.get("/reset_data")
+    async def reset_data(request: Request) -> PlainTextResponse:
+        await store_of(request).reset()
+        return PlainTextResponse("Reset successful", status_code=200)
+
+    return app

@@ -1,0 +1,36 @@
+"""``rollq atropos-api``: flags and the handler (uvicorn appears here and nowhere else)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from ops.cli import Exit, settings_for
+
+HELP = ("serve the Atropos trajectory API (atroposlib 0.4.0's paths and shapes) on the run's "
+        "streams: envs in `serve` mode post here, Atropos trainers poll /batch; durable")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="interface to listen on [127.0.0.1]")
+    parser.add_argument("--port", type=int, help="port to listen on [8000]")
+    parser.add_argument("--rewards", choices=["env", "bridge"],
+                        help="env: the env's own scores are the rewards (straight to the "
+                        "scored stream); bridge: rollq's scorers (`rollq score`) reward the "
+                        "groups, the env's score available as component env_score [env]")
+    parser.add_argument("--consumer-group", help="consumer group of /batch [atropos]")
+
+
+async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    import uvicorn
+
+    from ops.atropos.app import create_app
+    from ops.atropos.settings import AtroposApiSettings
+
+    settings: AtroposApiSettings = settings_for(
+        AtroposApiSettings, args, environ, host=args.host, port=args.port,
+        rewards=args.rewards, consumer_group=args.consumer_group)
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_config=None, access_log=False, lifespan="on")
+    await uvicorn.Server(config).serve()
+    return Exit.OK

@@ -1,0 +1,28 @@
+"""Settings of ``rollq atropos-api``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ops.atropos.store import RewardSource
+from ops.settings import CommonSettings
+
+
+class AtroposApiSettings(CommonSettings):
+    """The Atropos-compatible trajectory API of one run."""
+
+    section: str = Field(default="atropos_api", exclude=True, repr=False)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    rewards: RewardSource = "env"
+    """``env``: posted groups go straight to the scored stream, rewarded with the env's
+    own scores. ``bridge``: they go to the traj stream and rollq's scorers (``rollq
+    score``) reward them with the reward bridge; the env's score is the ``env_score``
+    component."""
+    consumer_group: str = Field(default="atropos", min_length=1)
+    """Consumer group of ``/batch`` on the scored streams (every API process of a run
+    shares it)."""
+    gzip_level: int = Field(default=1, ge=1, le=9)
+    """gzip level of large answers (atroposlib uses 9; 1 is several times faster)."""
+    lock_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest wait for, and hold of, the lock that serialises batch assembly."""

@@ -1,0 +1,506 @@
+"""The Atropos API's state, all of it in Redis: any number of API processes serve one run.
+
+Keys (run-wide ones under the run's hash tag, ``schemas.keys.run_key``):
+
+    rollq:{<run>}:atropos           hash: registration (the trainer's, JSON), started, step,
+                                    outstanding (the batch last handed out, JSON list of
+                                    [stream, entry id]), redeliver, latest ("<stream> <id>")
+    rollq:{<run>}:atropos:envs      list: registered envs (JSON), index = env_id
+    rollq:{<run>}:atropos:buffer:<env_id>
+                                    list: posted groups of a size other than their env's,
+                                    verbatim JSON, until some of them sum to that size
+    rollq:{<run>}:atropos:lock      the lock that serialises batch assembly across processes
+
+Delivery:
+
+- A posted group is one XADD before the HTTP answer: to the partition's ``scored`` stream
+  (``rewards="env"``, inline form, the env's scores) or ``traj`` stream
+  (``rewards="bridge"``: rollq's scorers score it). A buffered group is an RPUSH; the
+  groups that complete a size are XADDed and taken off the buffer in one MULTI/EXEC.
+- ``/batch`` reads the scored streams in consumer group ``atropos`` as consumer ``queue``:
+  the queue is that consumer's pending list (XPENDING) minus the batch last handed out. A
+  handed-out batch stays pending until the next ``/batch`` (or ``/ack-batch``) acks it
+  (counted ``consumed``); a ``/register`` in between (a restarted trainer) makes the next
+  ``/batch`` hand the same batch out again, less any group acked meanwhile. So a crash of
+  the trainer, of an API process or of Redis (AOF) loses no group, and no acked group is
+  handed out again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+import structlog
+
+from consumers.bus import (
+    Delivery,
+    ReaderSettings,
+    StreamReader,
+    join_trajectories,
+    translated_errors,
+)
+from ops.atropos.batching import Queued, env_status, groups_summing_to, select_batch
+from ops.atropos.convert import InvalidGroup, to_atropos, to_scored, to_trajectory
+from ops.atropos.models import ScoredData
+from producers.publisher import Publisher
+from schemas import (
+    BrokerUnavailable,
+    ContractError,
+    DecodeError,
+    ScoredGroup,
+    decode_scored,
+    encode,
+)
+from schemas.failures import TRAJECTORY_MISSING, classify
+from schemas.keys import (
+    CONSUMED_COUNTER,
+    DROP_PREFIX,
+    POLICY_VERSION_FIELD,
+    counters_key,
+    partition_of,
+    run_key,
+    state_key,
+    stream_key,
+    stream_keys,
+)
+
+log = structlog.get_logger("rollq.atropos")
+
+RewardSource = Literal["env", "bridge"]
+QUEUE_CONSUMER = "queue"
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+Ref = tuple[str, str]
+
+
+class NotRegistered(Exception):
+    """``/batch`` before any trainer called ``/register``."""
+
+
+class UnknownEnv(LookupError):
+    """An ``env_id`` that no env registered."""
+
+
+@dataclass
+class _Held:
+    group: ScoredGroup
+    queued: Queued
+    json: bytes | None = None
+
+
+class AtroposStore:
+    """One run's Atropos API state; ``async with AtroposStore(...)``."""
+
+    def __init__(self, redis: aioredis.Redis, run: str, *, rewards: RewardSource = "env",
+                 consumer_group: str = "atropos", partitions: int = 1,
+                 lock_timeout_s: float = 30.0, cache_groups: int = 4096) -> None:
+        self.redis = redis
+        self.run = run
+        self.rewards = rewards
+        self.consumer_group = consumer_group
+        self.partitions = partitions
+        self.lock_timeout_s = lock_timeout_s
+        self.cache_groups = cache_groups
+        self._state = run_key(run, "atropos")
+        self._envs = run_key(run, "atropos:envs")
+        self._lock = run_key(run, "atropos:lock")
+        self._cache: OrderedDict[Ref, _Held] = OrderedDict()
+        self._reader: StreamReader | None = None
+        self._local_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> AtroposStore:
+        self.partitions = await Publisher(self.redis, self.run, self.partitions).register()
+        self._reader = StreamReader(
+            self.redis, stream_keys(self.run, self.partitions, "scored"), self.consumer_group,
+            QUEUE_CONSUMER, ReaderSettings(count=256), join_trajectories=True)
+        await self._reader.ensure_groups()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._cache.clear()
+
+    @property
+    def reader(self) -> StreamReader:
+        if self._reader is None:
+            raise RuntimeError("AtroposStore used outside `async with`")
+        return self._reader
+
+    def _buffer_key(self, env_id: int) -> str:
+        return run_key(self.run, f"atropos:buffer:{env_id}")
+
+    # -- registration ------------------------------------------------------------------------
+
+    async def state(self) -> dict[str, Any]:
+        async with translated_errors("reading the Atropos API state"):
+            raw = await self.redis.hgetall(self._state)
+        state: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        if "registration" in state:
+            state["registration"] = orjson.loads(state["registration"])
+        return state
+
+    async def envs(self) -> list[dict[str, Any]]:
+        async with translated_errors("reading registered envs"):
+            raw = await self.redis.lrange(self._envs, 0, -1)
+        return [orjson.loads(item) for item in raw]
+
+    async def register_trainer(self, registration: dict[str, Any]) -> int:
+        """Record the first trainer's registration (later ones keep it, as atroposlib);
+        a registration while a batch is out makes the next ``/batch`` hand it out again."""
+        async with translated_errors("registering a trainer"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hsetnx(self._state, "registration", orjson.dumps(registration))
+            pipe.hsetnx(self._state, "step", str(registration["starting_step"]))
+            pipe.hexists(self._state, "outstanding")
+            _, _, outstanding = await pipe.execute()
+            if outstanding:
+                await self.redis.hset(self._state, "redeliver", "1")
+        return uuid.uuid4().int
+
+    async def register_env(self, env: dict[str, Any]) -> dict[str, Any] | None:
+        """Append an env (under the lock: ids and names follow registration order); None
+        while no trainer has started (called ``/batch``)."""
+        async with self._locked():
+            state = await self.state()
+            if state.get("started") != "1":
+                return None
+            envs = await self.envs()
+            same = sum(1 for e in envs if e["desired_name"] == env["desired_name"])
+            record = {**env, "real_name": f"{env['desired_name']}_{same}",
+                      "registered_id": len(envs), "last_update": time.time(),
+                      "connected": True}
+            async with translated_errors("registering an env"):
+                await self.redis.rpush(self._envs, orjson.dumps(record))
+        registration = state.get("registration", {})
+        return {**record, "checkpoint_dir": registration.get("checkpoint_dir", ""),
+                "starting_step": int(state.get("step", 0)),
+                "checkpoint_interval": registration.get("save_checkpoint_interval", -1),
+                "num_steps": registration.get("num_steps", -1)}
+
+    async def disconnect_env(self, env_id: int) -> None:
+        async with self._locked():
+            envs = await self.envs()
+            if not 0 <= env_id < len(envs):
+                raise UnknownEnv("list index out of range")
+            envs[env_id]["connected"] = False
+            async with translated_errors("disconnecting an env"):
+                await self.redis.lset(self._envs, env_id, orjson.dumps(envs[env_id]))
+
+    # -- posting -------------------------------------------------------------------------------
+
+    async def post(self, data: ScoredData) -> dict[str, Any]:
+        """Store one posted group (or buffer it); the answer atroposlib gives."""
+        envs = await self.envs()
+        env_id = data.env_id
+        if env_id is not None and 0 <= env_id < len(envs):
+            expected = envs[env_id]["group_size"]
+            if len(data.tokens) != expected:
+                return await self._buffer(data, env_id, expected, envs)
+        await self._publish([data], envs)
+        return {"status": "received"}
+
+    async def _publish(self, groups: Sequence[ScoredData], envs: list[dict[str, Any]]) -> None:
+        entries = await self._entries(groups, envs)
+        async with translated_errors("posting a group"):
+            pipe = self.redis.pipeline(transaction=True)
+            for key, fields in entries:
+                pipe.xadd(key, fields)  # type: ignore[arg-type]
+            ids = await pipe.execute()
+        await self._remember_latest(entries[-1][0], ids[-1])
+
+    async def _entries(self, groups: Sequence[ScoredData],
+                       envs: list[dict[str, Any]]) -> list[tuple[str, dict[bytes, bytes]]]:
+        async with translated_errors("reading the policy version"):
+            raw = await self.redis.hget(state_key(self.run), POLICY_VERSION_FIELD)
+        version = int(raw or 0)
+        return [self._encode(data, envs, version) for data in groups]
+
+    async def _remember_latest(self, key: str, entry_id: Any) -> None:
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        async with translated_errors("recording the latest group"):
+            await self.redis.hset(self._state, "latest", f"{key} {entry}")
+
+    def _encode(self, data: ScoredData, envs: list[dict[str, Any]],
+                version: int) -> tuple[str, dict[bytes, bytes]]:
+        env_id = data.env_id
+        env = envs[env_id]["real_name"] if env_id is not None and 0 <= env_id < len(envs) \
+            else "atropos"
+        group_id = uuid.uuid4().hex
+        trajectory = to_trajectory(data, run=self.run, env=env, group_id=group_id,
+                                   policy_version=version)
+        partition = partition_of(group_id, self.partitions)
+        try:
+            if self.rewards == "bridge":
+                return stream_key(self.run, partition, "traj"), encode(trajectory)
+            return (stream_key(self.run, partition, "scored"),
+                    encode(to_scored(trajectory, data)))
+        except (ContractError, ValueError) as exc:
+            raise InvalidGroup(str(exc)) from None
+
+    def check(self, data: ScoredData) -> None:
+        """Raise ``InvalidGroup`` for a group that could not be stored."""
+        to_trajectory(data, run=self.run, env="check", group_id="check", policy_version=0)
+
+    async def _buffer(self, data: ScoredData, env_id: int, expected: int,
+                      envs: list[dict[str, Any]]) -> dict[str, Any]:
+        self.check(data)  # a bad group is a 422 now, never a poison entry later
+        key = self._buffer_key(env_id)
+        blob = orjson.dumps(data.model_dump())
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    await pipe.watch(key)
+                    items = [*await pipe.lrange(key, 0, -1), blob]
+                    groups = [ScoredData.model_validate_json(item) for item in items]
+                    chosen = groups_summing_to([len(g.tokens) for g in groups], expected)
+                    entries = await self._entries([groups[i] for i in chosen], envs)
+                    pipe.multi()
+                    for stream, fields in entries:
+                        pipe.xadd(stream, fields)  # type: ignore[arg-type]
+                    if chosen:
+                        pipe.delete(key)
+                        rest = [item for i, item in enumerate(items) if i not in chosen]
+                        if rest:
+                            pipe.rpush(key, *rest)
+                    else:
+                        pipe.rpush(key, blob)
+                    replies = await pipe.execute()
+                break
+            except redis_errors.WatchError:
+                continue
+            except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+                raise BrokerUnavailable(f"redis unavailable while buffering: {exc}") from exc
+        if entries:
+            await self._remember_latest(entries[-1][0], replies[len(entries) - 1])
+        remaining = sum(len(g.tokens) for i, g in enumerate(groups) if i not in chosen)
+        return {"status": "buffered", "buffer_size": remaining}
+
+    # -- the queue -----------------------------------------------------------------------------
+
+    async def _ingest(self) -> None:
+        """Take every new scored entry into this API's consumer group (as pending)."""
+        while True:
+            deliveries = await self.reader.read(count=256, block_ms=0)
+            for delivery in deliveries:
+                await self._hold(delivery)
+            if len(deliveries) < 256:
+                return
+
+    async def _hold(self, delivery: Delivery) -> _Held | None:
+        ref = (delivery.stream, delivery.entry_id)
+        try:
+            group = decode_scored(delivery.fields)
+        except DecodeError as exc:
+            failure = classify(exc)
+            await self.reader.dead_letter(delivery, failure.reason, failure.detail)
+            log.warning("entry_dead_lettered", stream=delivery.stream,
+                        entry_id=delivery.entry_id, reason=failure.reason,
+                        detail=failure.detail)
+            return None
+        meta = group.trajectory.metadata.get("atropos")
+        env_id = meta.get("env_id") if isinstance(meta, dict) else None
+        held = _Held(group, Queued(len(group.scores), env_id))
+        self._cache[ref] = held
+        while len(self._cache) > self.cache_groups:
+            self._cache.popitem(last=False)
+        return held
+
+    async def _pending(self) -> list[Ref]:
+        refs: list[tuple[tuple[int, int], Ref]] = []
+        async with translated_errors("listing the queue"):
+            for stream in self.reader.streams:
+                rows = await self.redis.xpending_range(
+                    stream, self.consumer_group, min="-", max="+", count=1_000_000,
+                    consumername=QUEUE_CONSUMER)
+                for row in rows:
+                    entry = row["message_id"]
+                    entry = entry.decode() if isinstance(entry, bytes) else entry
+                    ms, _, seq = entry.partition("-")
+                    refs.append(((int(ms), int(seq)), (stream, entry)))
+        refs.sort()
+        return [ref for _, ref in refs]
+
+    async def _fetch(self, refs: Sequence[Ref]) -> dict[Ref, _Held]:
+        """Held groups by ref, from the cache or Redis; gone or undecodable ones left out."""
+        found = {ref: self._cache[ref] for ref in refs if ref in self._cache}
+        missing = [ref for ref in refs if ref not in found]
+        if not missing:
+            return found
+        async with translated_errors("reading queued groups"):
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, entry in missing:
+                pipe.xrange(stream, min=entry, max=entry, count=1)
+            replies = await pipe.execute()
+        present = [(ref, reply[0][1]) for ref, reply in zip(missing, replies, strict=True)
+                   if reply]
+        joined = await join_trajectories(self.redis, [(ref[0], f) for ref, f in present])
+        for (ref, _), fields in zip(present, joined, strict=True):
+            delivery = Delivery(ref[0], ref[1], fields if isinstance(fields, dict) else {})
+            if isinstance(fields, str):
+                await self.reader.dead_letter(delivery, TRAJECTORY_MISSING, fields)
+                continue
+            held = await self._hold(delivery)
+            if held is not None:
+                found[ref] = held
+        return found
+
+    async def queue(self, exclude: set[Ref] | None = None) -> list[tuple[Ref, _Held]]:
+        """The groups waiting for a batch, oldest first."""
+        await self._ingest()
+        refs = [ref for ref in await self._pending() if ref not in (exclude or set())]
+        held = await self._fetch(refs)
+        return [(ref, held[ref]) for ref in refs if ref in held]
+
+    async def queue_size(self) -> int:
+        state = await self.state()
+        outstanding = {tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))}
+        await self._ingest()
+        return len([r for r in await self._pending() if r not in outstanding])
+
+    # -- batches ---------------------------------------------------------------------------
+
+    async def next_batch(self) -> list[bytes] | None:
+        """The groups of the next batch as JSON documents, or None when none can be formed.
+
+        Raises ``NotRegistered`` before the first ``/register``.
+        """
+        async with self._locked():
+            state = await self.state()
+            if "registration" not in state:
+                raise NotRegistered
+            if state.get("started") != "1":
+                await self.redis.hset(self._state, "started", "1")
+            outstanding = [tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))]
+            if outstanding:
+                still = set(await self._pending()) & set(outstanding)  # type: ignore[arg-type]
+                kept = [r for r in outstanding if r in still]
+                if state.get("redeliver") == "1" and kept:
+                    held = await self._fetch(kept)  # type: ignore[arg-type]
+                    await self.redis.hdel(self._state, "redeliver")
+                    log.info("batch_redelivered", run=self.run, groups=len(kept))
+                    return [self._json(held[r]) for r in kept if r in held]  # type: ignore[index]
+                await self._ack(kept)  # type: ignore[arg-type]
+            queue = await self.queue()
+            envs = await self.envs()
+            chosen = select_batch([h.queued for _, h in queue],
+                                  state["registration"]["batch_size"], envs)
+            if chosen is None:
+                return None
+            refs = [queue[i][0] for i in chosen]
+            async with translated_errors("handing out a batch"):
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.hset(self._state, "outstanding", orjson.dumps(refs))
+                pipe.hdel(self._state, "redeliver")
+                pipe.hincrby(self._state, "step", 1)
+                await pipe.execute()
+            log.info("batch_handed_out", run=self.run, groups=len(refs))
+            return [self._json(queue[i][1]) for i in chosen]
+
+    async def ack_outstanding(self) -> int:
+        """Ack the batch last handed out (``/ack-batch``); returns the groups acked now."""
+        async with self._locked():
+            state = await self.state()
+            outstanding = [tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))]
+            return await self._ack(outstanding)  # type: ignore[arg-type]
+
+    async def _ack(self, refs: Sequence[Ref]) -> int:
+        acked = await self.reader.ack_counted([Delivery(s, e, {}) for s, e in refs],
+                                              CONSUMED_COUNTER) if refs else 0
+        async with translated_errors("acking a batch"):
+            await self.redis.hdel(self._state, "outstanding", "redeliver")
+        for ref in refs:
+            self._cache.pop(ref, None)
+        if refs:
+            log.info("batch_acked", run=self.run, groups=len(refs), consumed=acked)
+        return acked
+
+    def _json(self, held: _Held) -> bytes:
+        if held.json is None:
+            held.json = orjson.dumps(to_atropos(held.group), option=orjson.OPT_SERIALIZE_NUMPY)
+        return held.json
+
+    # -- status ----------------------------------------------------------------------------
+
+    async def env_status(self, env_id: int) -> dict[str, Any]:
+        async with self._locked():
+            envs = await self.envs()
+            if not 0 <= env_id < len(envs):
+                raise UnknownEnv(f"env_id {env_id} is not registered ({len(envs)} envs are)")
+            state = await self.state()
+            outstanding = {tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))}
+            queue = await self.queue(outstanding)  # type: ignore[arg-type]
+            batch_size = state.get("registration", {}).get("batch_size", 0)
+            status, group_size = env_status([h.queued for _, h in queue], env_id, envs,
+                                            batch_size, int(state.get("step", 0)))
+            if group_size != envs[env_id]["group_size"]:
+                envs[env_id]["group_size"] = group_size
+                async with translated_errors("updating an env"):
+                    await self.redis.lset(self._envs, env_id, orjson.dumps(envs[env_id]))
+            return status
+
+    async def latest(self) -> bytes | None:
+        state = await self.state()
+        stream, _, entry = state.get("latest", "").partition(" ")
+        if not entry:
+            return None
+        held = await self._fetch([(stream, entry)])
+        return self._json(held[(stream, entry)]) if held else None
+
+    async def reset(self) -> int:
+        """atroposlib's ``/reset_data``: forget registrations and drop every queued and
+        buffered group (counted ``drop:reset``). Returns the groups dropped."""
+        async with self._locked():
+            queue = await self.queue()
+            envs = await self.envs()
+            dropped = await self.reader.drop([Delivery(s, e, {}) for (s, e), _ in queue],
+                                             "reset") if queue else 0
+            buffered = 0
+            async with translated_errors("resetting"):
+                pipe = self.redis.pipeline(transaction=True)
+                for env_id in range(len(envs)):
+                    pipe.llen(self._buffer_key(env_id))
+                    pipe.delete(self._buffer_key(env_id))
+                pipe.delete(self._state, self._envs)
+                replies = await pipe.execute()
+                buffered = sum(replies[0:2 * len(envs):2])
+                if buffered:
+                    await self.redis.hincrby(counters_key(self.run, 0), DROP_PREFIX + "reset",
+                                             buffered)
+            self._cache.clear()
+            log.info("atropos_reset", run=self.run, dropped=dropped, buffered=buffered)
+            return dropped + buffered
+
+    # -- the lock --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _locked(self) -> AsyncIterator[None]:
+        token = uuid.uuid4().hex
+        deadline = time.monotonic() + self.lock_timeout_s
+        timeout_ms = int(self.lock_timeout_s * 1000)
+        async with self._local_lock:
+            pause = 0.001
+            while True:
+                async with translated_errors("taking the API lock"):
+                    if await self.redis.set(self._lock, token, nx=True, px=timeout_ms):
+                        break
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailable("the Atropos API lock stayed taken for "
+                                            f"{self.lock_timeout_s:.0f} s")
+                await asyncio.sleep(pause)
+                pause = min(0.05, pause * 2)
+            try:
+                yield
+            finally:
+                with contextlib.suppress(BrokerUnavailable, redis_errors.RedisError, OSError):
+                    await self.redis.eval(_RELEASE, 1, self._lock, token)
