@@ -10,6 +10,9 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from consumers.bus import StreamStats, stream_stats, translated_errors
+from consumers.trainer.client import TRAINER_GROUP
+from producers.admission import outstanding
+from producers.worker import queue_name
 from schemas import DecodeError, scored_rewards
 from schemas.keys import (
     ADMITTED_FIELD,
@@ -28,6 +31,40 @@ class RunNotFound(LookupError):
     """The run has no state in this Redis."""
 
 
+@dataclass(frozen=True)
+class Accounting:
+    """Where every admitted group is: the check that finds groups a Redis crash lost.
+
+    ``admitted = consumed + dropped + in flight`` must hold, where in flight is what the
+    queue and the streams hold: rollout jobs in arq's queue (waiting, running or retrying),
+    traj entries the scorers have not finished, scored entries the trainers have not acked.
+    Races between reads only make ``held`` larger (a job is still queued when its group is
+    already on the stream), and so do duplicates of a re-run job, so ``unaccounted > 0``
+    means groups are really missing: writes lost when redis-server died between two AOF
+    fsyncs (``appendfsync everysec``: up to about a second), or keys deleted by hand.
+    """
+
+    expected: int
+    """``admitted − consumed − dropped``: groups that should be in flight."""
+    jobs: int
+    """Rollout jobs in the run's arq queue."""
+    unscored: int | None
+    """Traj entries pending or not yet read by the ``scorers`` group (None: unknown)."""
+    unconsumed: int | None
+    """Scored entries pending or not yet read by the ``trainer`` group (None: unknown)."""
+
+    @property
+    def held(self) -> int | None:
+        if self.unscored is None or self.unconsumed is None:
+            return None
+        return self.jobs + self.unscored + self.unconsumed
+
+    @property
+    def unaccounted(self) -> int | None:
+        """Admitted groups found nowhere (0 when everything is accounted for)."""
+        return None if self.held is None else max(0, self.expected - self.held)
+
+
 @dataclass
 class RunStatus:
     run: str
@@ -39,6 +76,7 @@ class RunStatus:
     streams: list[StreamStats]
     reward_mean: float | None = None
     reward_samples: int = 0
+    accounting: Accounting | None = None
     taken_at: float = field(default_factory=time.time)
 
     @property
@@ -47,7 +85,11 @@ class RunStatus:
                 if k.startswith(DROP_PREFIX)}
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "drops": self.drops}
+        document = {**asdict(self), "drops": self.drops}
+        if self.accounting is not None:
+            document["accounting"] |= {"held": self.accounting.held,
+                                       "unaccounted": self.accounting.unaccounted}
+        return document
 
 
 async def known_runs(redis: aioredis.Redis) -> list[str]:
@@ -81,16 +123,40 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
                 rewards += scored_rewards(fields)
             except DecodeError:
                 continue
+    admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
+    async with translated_errors("reading the job queue"):
+        jobs = int(await redis.zcard(queue_name(run)))
     return RunStatus(
         run=run,
         partitions=partitions,
         policy_version=int(state.get(POLICY_VERSION_FIELD.encode(), b"0")),
-        admitted=int(state.get(ADMITTED_FIELD.encode(), b"0")),
+        admitted=admitted,
         counters=counters,
         streams=streams,
         reward_mean=float(np.mean(rewards)) if rewards else None,
         reward_samples=len(rewards),
+        accounting=Accounting(
+            expected=outstanding(admitted, counters)[1], jobs=jobs,
+            unscored=_not_done(streams, "traj", "scorers"),
+            unconsumed=_not_done(streams, "scored", TRAINER_GROUP)),
     )
+
+
+def _not_done(streams: list[StreamStats], name: str, group: str) -> int | None:
+    """Entries of the run's ``name`` streams that ``group`` has not acked (pending + lag);
+    every entry when the group does not exist yet; None when Redis cannot tell the lag."""
+    total = 0
+    for stream in streams:
+        if not stream.key.endswith(":" + name):
+            continue
+        found = [g for g in stream.groups if g.name == group]
+        if not found:
+            total += stream.length
+        elif found[0].lag is None:
+            return None
+        else:
+            total += found[0].pending + found[0].lag
+    return total
 
 
 def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
@@ -120,6 +186,18 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
             lag = "?" if group.lag is None else str(group.lag)
             lines.append(f"{key:<32} {length:>8}  {group.name:<12} {group.consumers:>9} "
                          f"{group.pending:>8} {lag:>6} {idle:>15}")
+    accounting = status.accounting
+    if accounting is not None:
+        held = "?" if accounting.held is None else str(accounting.held)
+        lines.append(
+            f"in flight: {accounting.expected} expected (admitted − consumed − dropped), "
+            f"{held} found: {accounting.jobs} jobs, {accounting.unscored} unscored, "
+            f"{accounting.unconsumed} unconsumed")
+        if accounting.unaccounted:
+            lines.append(
+                f"WARNING: {accounting.unaccounted} admitted group(s) are in no queue, stream "
+                "or dead letter: lost by Redis (a crash between AOF fsyncs loses up to ~1 s "
+                "of writes under appendfsync everysec) or deleted by hand")
     drops = status.drops
     lines.append("drops by reason: " + (", ".join(f"{k} {v}" for k, v in drops.items())
                                         if drops else "none"))
