@@ -36,10 +36,10 @@ from ops.atropos.models import (
     EnvIdentifier,
     EnvRegistered,
     EnvStatus,
-    Info,
     RegisterEnv,
     Registration,
     ScoredData,
+    ServerInfo,
     Status,
 )
 from ops.atropos.settings import AtroposApiSettings
@@ -152,8 +152,8 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
 
     @app.exception_handler(ValidationError)
     async def invalid_body(request: Request, exc: ValidationError) -> JsonResponse:
-        return _problem(422, exc.errors(include_url=False, include_input=False,
-                                        include_context=False))
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        return _problem(422, [{**e, "loc": ("body", *e["loc"])} for e in errors])
 
     @app.exception_handler(ContractError)
     async def invalid_data(request: Request, exc: ContractError) -> JsonResponse:
@@ -214,10 +214,11 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
 
     @app.get("/info")
     async def info(request: Request) -> dict[str, Any]:
-        registration = (await store_of(request).state()).get("registration")
+        state = await store_of(request).state()
+        registration = state.get("registration")
         if registration is None:
-            return Info().model_dump()
-        return Info(batch_size=registration["batch_size"],
+            return ServerInfo(max_token_len=int(state.get("max_token_len", -1))).model_dump()
+        return ServerInfo(batch_size=registration["batch_size"],
                     max_token_len=registration["max_token_len"]).model_dump()
 
     @app.get("/batch")

@@ -78,8 +78,9 @@ def _check(data: ScoredData) -> tuple[list[NDArray[np.int64]], list[NDArray[np.i
             raise InvalidGroup(f"masks[{i}] has {len(m)} values for {len(t)} tokens")
         if len(t) and (t.min() < 0 or t.max() > _MAX_TOKEN):
             raise InvalidGroup(f"tokens[{i}] holds an id outside 0..{_MAX_TOKEN}")
-        if len(m) and (m.min() < MASKED or m.max() > _MAX_TOKEN):
-            raise InvalidGroup(f"masks[{i}] holds a value outside -100..{_MAX_TOKEN}")
+        if not ((m == MASKED) | ((m >= 0) & (m <= _MAX_TOKEN))).all():
+            raise InvalidGroup(f"masks[{i}] holds a value that is neither -100 nor a token "
+                               f"id (0..{_MAX_TOKEN})")
     for name in ("inference_logprobs", "advantages"):
         for i, row in enumerate(getattr(data, name) or ()):
             if len(row) != len(tokens[i]):

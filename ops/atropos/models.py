@@ -93,9 +93,14 @@ class Status(BaseModel):
 
 
 class Info(BaseModel):
-    """``GET /info``: -1 until a trainer registered."""
+    """atroposlib's ``Info`` model (declared there, answered by no endpoint)."""
 
     batch_size: int = -1
+
+
+class ServerInfo(Info):
+    """``GET /info``: the trainer's batch size and token limit, -1 until one registered."""
+
     max_token_len: int = -1
 
 

@@ -85,6 +85,20 @@ return 0
 Ref = tuple[str, str]
 
 
+def _refs(raw: Any) -> list[Ref]:
+    """Entry refs from their JSON form (a list of [stream, entry id])."""
+    values = orjson.loads(raw) if isinstance(raw, str | bytes) else (raw or [])
+    return [(str(stream), str(entry)) for stream, entry in values]
+
+
+def _handed(state: dict[str, Any]) -> set[Ref]:
+    """Groups out of the queue: the batch handed out and the batches formed ahead."""
+    handed = set(_refs(state.get("outstanding")))
+    for batch in orjson.loads(state.get("prepared", "[]")):
+        handed.update(_refs(batch))
+    return handed
+
+
 class NotRegistered(Exception):
     """``/batch`` before any trainer called ``/register``."""
 
@@ -363,16 +377,17 @@ class AtroposStore:
         return [(ref, held[ref]) for ref in refs if ref in held]
 
     async def queue_size(self) -> int:
-        state = await self.state()
-        outstanding = {tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))}
+        handed = _handed(await self.state())
         await self._ingest()
-        return len([r for r in await self._pending() if r not in outstanding])
+        return len([r for r in await self._pending() if r not in handed])
 
     # -- batches ---------------------------------------------------------------------------
 
     async def next_batch(self) -> list[bytes] | None:
         """The groups of the next batch as JSON documents, or None when none can be formed.
 
+        As atroposlib, a call that finds no batch formed ahead forms every batch the queue
+        allows, counts them all as steps, and hands out the last one formed first.
         Raises ``NotRegistered`` before the first ``/register``.
         """
         async with self._locked():
@@ -381,38 +396,48 @@ class AtroposStore:
                 raise NotRegistered
             if state.get("started") != "1":
                 await self.redis.hset(self._state, "started", "1")
-            outstanding = [tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))]
+            outstanding = _refs(state.get("outstanding"))
             if outstanding:
-                still = set(await self._pending()) & set(outstanding)  # type: ignore[arg-type]
+                still = set(await self._pending())
                 kept = [r for r in outstanding if r in still]
                 if state.get("redeliver") == "1" and kept:
-                    held = await self._fetch(kept)  # type: ignore[arg-type]
+                    held = await self._fetch(kept)
                     await self.redis.hdel(self._state, "redeliver")
                     log.info("batch_redelivered", run=self.run, groups=len(kept))
-                    return [self._json(held[r]) for r in kept if r in held]  # type: ignore[index]
-                await self._ack(kept)  # type: ignore[arg-type]
-            queue = await self.queue()
-            envs = await self.envs()
-            chosen = select_batch([h.queued for _, h in queue],
-                                  state["registration"]["batch_size"], envs)
-            if chosen is None:
+                    return [self._json(held[r]) for r in kept if r in held]
+                await self._ack(kept)
+            prepared = [_refs(batch) for batch in orjson.loads(state.get("prepared", "[]"))]
+            formed = 0
+            if not prepared:
+                queue = await self.queue()
+                envs = await self.envs()
+                batch_size = state["registration"]["batch_size"]
+                while (chosen := select_batch([h.queued for _, h in queue], batch_size,
+                                              envs)) is not None:
+                    prepared.append([queue[i][0] for i in chosen])
+                    taken = set(chosen)
+                    queue = [q for i, q in enumerate(queue) if i not in taken]
+                formed = len(prepared)
+            if not prepared:
                 return None
-            refs = [queue[i][0] for i in chosen]
+            refs = prepared.pop()
+            held = await self._fetch(refs)
             async with translated_errors("handing out a batch"):
                 pipe = self.redis.pipeline(transaction=True)
-                pipe.hset(self._state, "outstanding", orjson.dumps(refs))
+                pipe.hset(self._state, mapping={"outstanding": orjson.dumps(refs),
+                                                "prepared": orjson.dumps(prepared)})
                 pipe.hdel(self._state, "redeliver")
-                pipe.hincrby(self._state, "step", 1)
+                if formed:
+                    pipe.hincrby(self._state, "step", formed)
                 await pipe.execute()
-            log.info("batch_handed_out", run=self.run, groups=len(refs))
-            return [self._json(queue[i][1]) for i in chosen]
+            log.info("batch_handed_out", run=self.run, groups=len(refs), formed=formed)
+            return [self._json(held[r]) for r in refs if r in held]
 
     async def ack_outstanding(self) -> int:
         """Ack the batch last handed out (``/ack-batch``); returns the groups acked now."""
         async with self._locked():
             state = await self.state()
-            outstanding = [tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))]
-            return await self._ack(outstanding)  # type: ignore[arg-type]
+            return await self._ack(_refs(state.get("outstanding")))
 
     async def _ack(self, refs: Sequence[Ref]) -> int:
         acked = await self.reader.ack_counted([Delivery(s, e, {}) for s, e in refs],
@@ -438,8 +463,7 @@ class AtroposStore:
             if not 0 <= env_id < len(envs):
                 raise UnknownEnv(f"env_id {env_id} is not registered ({len(envs)} envs are)")
             state = await self.state()
-            outstanding = {tuple(r) for r in orjson.loads(state.get("outstanding", "[]"))}
-            queue = await self.queue(outstanding)  # type: ignore[arg-type]
+            queue = await self.queue(_handed(state))
             batch_size = state.get("registration", {}).get("batch_size", 0)
             status, group_size = env_status([h.queued for _, h in queue], env_id, envs,
                                             batch_size, int(state.get("step", 0)))
@@ -461,6 +485,7 @@ class AtroposStore:
         """atroposlib's ``/reset_data``: forget registrations and drop every queued and
         buffered group (counted ``drop:reset``). Returns the groups dropped."""
         async with self._locked():
+            state = await self.state()
             queue = await self.queue()
             envs = await self.envs()
             dropped = await self.reader.drop([Delivery(s, e, {}) for (s, e), _ in queue],
@@ -472,6 +497,9 @@ class AtroposStore:
                     pipe.llen(self._buffer_key(env_id))
                     pipe.delete(self._buffer_key(env_id))
                 pipe.delete(self._state, self._envs)
+                if "registration" in state:  # atroposlib's reset forgets all but this
+                    pipe.hset(self._state, "max_token_len",
+                              str(state["registration"]["max_token_len"]))
                 replies = await pipe.execute()
                 buffered = sum(replies[0:2 * len(envs):2])
                 if buffered:
