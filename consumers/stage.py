@@ -6,24 +6,37 @@ What happens to an entry, by what the transform does:
 - returns ``Forward(fields)``: the forward script acks it and adds ``fields`` downstream;
 - returns ``Drop(reason)``: acked and counted under ``drop:<reason>`` (e.g. a zero-variance
   group under the ``drop`` policy);
-- raises ``ContractError`` (undecodable, unknown version, a reward configured to
-  dead-letter): moved to the dead stream with the reason; retrying cannot help;
-- raises ``TransientError``: left unacked; it is retried after ``reclaim_idle_ms``, and
-  dead-lettered once it has been delivered ``max_deliveries`` times;
-- raises anything else: a bug; it is dead-lettered with reason ``unexpected_error`` so one
-  poison entry cannot crash-loop the consumer, and logged with its traceback.
+- raises: ``schemas.failures.decide`` says what happens, with the entry's delivery count
+  as the attempt and the reader's ``max_deliveries`` as the limit, and ``retry_unexpected``
+  off:
+
+  - **retry** (a transient failure: Redis or a dependency unavailable; a reward failure:
+    a component that raised, timed out or lost its process): the entry is left pending.
+    The reader's reclaim (XAUTOCLAIM, which takes this consumer's own idle entries as
+    well as a dead consumer's) hands it out again after ``reclaim_idle_ms``;
+  - **dead letter** (a contract failure: undecodable, unknown version, a missing reward
+    field; a retryable failure on its last delivery; an unexpected exception, i.e. a bug,
+    logged with its traceback so one poison entry cannot crash-loop the consumer): moved to
+    the dead stream with the verdict's reason and detail, and counted.
+
+A transform may take a whole read at once: when the transform object has a
+``batch_transform`` attribute that is not None (e.g. a scorer whose rewards are scoped to
+the batch), each read is handed to it in one call, and it returns one result per delivery
+(an outcome, or the exception that delivery failed with); each result is then forwarded,
+dropped, left pending or dead-lettered on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
 
 from consumers.bus import Delivery, StreamReader
-from schemas import ContractError, Fields, RewardError, TransientError
+from schemas import Fields
+from schemas.failures import Kind, Verdict, classify, decide
 
 log = structlog.get_logger("rollq.stage")
 
@@ -40,6 +53,10 @@ class Drop:
 
 Outcome = Forward | Drop
 Transform = Callable[[Delivery], Awaitable[Outcome]]
+BatchTransform = Callable[[Sequence[Delivery]], Awaitable[Sequence[Outcome | Exception]]]
+"""A read's deliveries → one outcome (or the exception it failed with) per delivery."""
+
+_Settled = Outcome | Verdict | None  # None: left pending for a retry
 
 
 class Stage:
@@ -56,39 +73,62 @@ class Stage:
     ) -> None:
         self.reader = reader
         self.transform = transform
+        self.batch_transform: BatchTransform | None = getattr(transform, "batch_transform",
+                                                              None)
         self.destination = destination
         self.counter = counter
         self.concurrency = concurrency
         self.forwarded = 0
         self.dropped = 0
         self.dead_lettered = 0
+        self.left_pending = 0
+        """Failures left pending for a retry (each try counts once)."""
 
-    async def _outcome(self, delivery: Delivery) -> Outcome | tuple[str, str] | None:
+    def _settle(self, delivery: Delivery, exc: Exception) -> Verdict | None:
+        """The verdict for a delivery that failed: None (left pending) or a dead letter."""
+        verdict = decide(exc, attempt=delivery.deliveries,
+                         max_attempts=self.reader.settings.max_deliveries,
+                         retry_unexpected=False)
+        if verdict.retry:
+            self.left_pending += 1
+            log.warning("entry_left_pending", stream=delivery.stream, entry_id=delivery.entry_id,
+                        reason=verdict.reason, detail=verdict.detail,
+                        deliveries=delivery.deliveries)
+            return None
+        if classify(exc).kind is Kind.UNEXPECTED:
+            log.error("entry_failed", stream=delivery.stream, entry_id=delivery.entry_id,
+                      exc_info=exc)
+        return verdict
+
+    async def _outcome(self, delivery: Delivery) -> _Settled:
         try:
             return await self.transform(delivery)
-        except TransientError as exc:
-            log.warning("entry_left_pending", entry_id=delivery.entry_id, error=str(exc))
-            return None
-        except (ContractError, RewardError) as exc:
-            return (_reason(exc), str(exc))
-        except Exception as exc:  # a bug: dead-letter rather than crash-loop on it
-            log.exception("entry_failed", entry_id=delivery.entry_id)
-            return ("unexpected_error", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            return self._settle(delivery, exc)
 
-    async def process(self, deliveries: list[Delivery]) -> None:
-        """Transform a batch concurrently, then forward, drop and dead-letter in few trips."""
+    async def _outcomes(self, deliveries: list[Delivery]) -> list[_Settled]:
+        if self.batch_transform is not None:
+            try:
+                results: Sequence[Outcome | Exception] = await self.batch_transform(deliveries)
+            except Exception as exc:  # the whole read failed (e.g. Redis): each delivery did
+                results = [exc] * len(deliveries)
+            return [self._settle(d, r) if isinstance(r, Exception) else r
+                    for d, r in zip(deliveries, results, strict=True)]
         if len(deliveries) <= self.concurrency:
             # The usual case (reads are sized to the concurrency): a semaphore could never
             # make a transform wait, so none is paid for per delivery.
-            outcomes = await asyncio.gather(*(self._outcome(d) for d in deliveries))
-        else:
-            semaphore = asyncio.Semaphore(self.concurrency)
+            return list(await asyncio.gather(*(self._outcome(d) for d in deliveries)))
+        semaphore = asyncio.Semaphore(self.concurrency)
 
-            async def bounded(delivery: Delivery) -> Outcome | tuple[str, str] | None:
-                async with semaphore:
-                    return await self._outcome(delivery)
+        async def bounded(delivery: Delivery) -> _Settled:
+            async with semaphore:
+                return await self._outcome(delivery)
 
-            outcomes = await asyncio.gather(*(bounded(d) for d in deliveries))
+        return list(await asyncio.gather(*(bounded(d) for d in deliveries)))
+
+    async def process(self, deliveries: list[Delivery]) -> None:
+        """Transform a batch concurrently, then forward, drop and dead-letter in few trips."""
+        outcomes = await self._outcomes(deliveries)
         forwards = [(d, o.fields) for d, o in zip(deliveries, outcomes, strict=True)
                     if isinstance(o, Forward)]
         if forwards:
@@ -98,12 +138,12 @@ class Stage:
             if isinstance(outcome, Drop):
                 self.dropped += await self.reader.drop([delivery], outcome.reason)
                 log.info("group_dropped", entry_id=delivery.entry_id, reason=outcome.reason)
-            elif isinstance(outcome, tuple):
-                reason, detail = outcome
-                if await self.reader.dead_letter(delivery, reason, detail):
+            elif isinstance(outcome, Verdict):
+                if await self.reader.dead_letter(delivery, outcome.reason, outcome.detail):
                     self.dead_lettered += 1
                     log.warning("entry_dead_lettered", stream=delivery.stream,
-                                entry_id=delivery.entry_id, reason=reason, detail=detail)
+                                entry_id=delivery.entry_id, reason=outcome.reason,
+                                detail=outcome.detail)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Process until ``stop`` is set; the batch in hand is finished first."""
@@ -116,7 +156,8 @@ class Stage:
     async def drain(self) -> int:
         """Process everything available now, own pending entries first; for tests and bursts.
 
-        Returns the number of entries handled.
+        An entry left pending for a retry stays pending (a later ``drain`` or the reclaim
+        of ``run`` tries it again). Returns the number of entries handled.
         """
         await self.reader.ensure_groups()
         handled = 0
@@ -128,13 +169,3 @@ class Stage:
             await self.process(deliveries)
             handled += len(deliveries)
         return handled
-
-
-def _reason(exc: Exception) -> str:
-    """The exception's own ``reason`` slug if it has one (``RewardError``), else one from
-    the class name: DecodeError -> decode_error."""
-    own = getattr(exc, "reason", None)
-    if isinstance(own, str) and own:
-        return f"reward_{own}" if isinstance(exc, RewardError) else own
-    name = type(exc).__name__
-    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")

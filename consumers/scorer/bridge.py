@@ -3,9 +3,21 @@ values into one reward per completion, and turn the rewards into advantages.
 
 Placement: cheap components run inline on the event loop; CPU-heavy ones (math-verify)
 run in a `WorkerPool` with a per-call timeout, so the loop never blocks on sympy; I/O
-components (a process reward model) are awaited with the same timeout. A component that
-raises or times out scores 0.0 with a flag (`on_error: zero`) or makes the whole group
-raise `RewardError` (`on_error: dead_letter`).
+components (a process reward model) are awaited with the same timeout.
+
+A reward failure is never a score. A component call that raises, times out or loses its
+pool process is tried again `retries` times (short back-off); if it still fails, the
+sample's value is unknown, and the entry's `on_error` says what that means:
+
+- `dead_letter` (default): the group cannot be scored now; `score_groups` returns a
+  `RewardError` naming the component for it (`score_batch`/`score_group` raise it). The
+  scorer retries the group, then dead-letters it as `reward_error`.
+- `skip_component`: the value is None for that sample (it adds nothing to the total) and
+  a `ComponentFlag` records why; components that read correctness see `correct=None`.
+
+What a component returns is its business: a wrong answer, or a candidate's code that the
+component itself times out, is a value of 0, not a failure. A group lacking a metadata
+field a component requires fails with `MissingFieldError` before any component runs.
 """
 
 from __future__ import annotations
@@ -17,7 +29,6 @@ import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import httpx
@@ -37,15 +48,19 @@ from consumers.scorer.pool import WorkerPool
 from consumers.scorer.sample import Sample
 from consumers.scorer.traces import extract_reasoning
 
+_RETRY_BACKOFF_S = 0.05
+"""Pause before a failed component call's first retry (seconds); doubled per retry."""
+
 
 @dataclass(frozen=True)
 class ComponentFlag:
-    """A component call that failed and was scored by policy.
+    """A component call that failed after its retries and was skipped (`skip_component`).
 
     - `component`: the entry's name; `sample`: the completion's index in its group.
     - `reason`: `timeout`, `error`, `non_finite`, `bad_token_rewards`, or the reason a
       `RewardError` carried (e.g. `prm_error`, `worker_died`).
-    - `policy`: what was applied (`zero`); `detail`: the error text.
+    - `policy`: what was applied (`skip_component`: the value is None); `detail`: the
+      error text.
     """
 
     component: str
@@ -60,10 +75,11 @@ class GroupScore:
     """The scores of one group.
 
     - `rewards`: the combined reward per completion.
-    - `components`: raw value per completion, by component name (None = skipped).
+    - `components`: raw value per completion, by component name (None = skipped: the
+      component returned None, or failed under `skip_component`).
     - `weights`: weight by component name.
     - `timings`: wall seconds spent per component (over the whole `score_batch` call).
-    - `flags`: failed calls scored by policy; `flag_counts()` tallies them.
+    - `flags`: failed calls skipped by policy; `flag_counts()` tallies them.
     - `token_rewards`: per completion, Σ weight · per-token rewards of the components
       that produce them (float32, one per token); None when none does.
     - `advantages`: per-completion advantages (float32), or None when dropped.
@@ -91,11 +107,8 @@ class GroupScore:
 class _Outcome:
     scores: list[list[Score]]  # [group][sample]
     flags: list[list[ComponentFlag]]  # [group]
+    failures: list[RewardError | None]  # [group]: the first failure under dead_letter
     seconds: float = 0.0
-    fatal: RewardError | None = None
-
-
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
 class RewardBridge:
@@ -116,6 +129,12 @@ class RewardBridge:
 
     def _placement(self, entry: ComponentEntry, component: RewardComponent[Any]) -> str:
         return entry.run_in or component.placement
+
+    @property
+    def batch_scoped(self) -> bool:
+        """True when some component's population is the whole `score_batch` call (`scope:
+        batch`): groups scored one by one would then see a different population."""
+        return any(component.population == "batch" for _, component in self._components)
 
     async def __aenter__(self) -> RewardBridge:
         pooled = [c for e, c in self._components if self._placement(e, c) == "process"]
@@ -145,16 +164,17 @@ class RewardBridge:
     def make_sample(
         self, text: str, completion_ids: Sequence[int] | NDArray[np.int32], *,
         reasoning: str | None = None, finish_reason: str = "stop",
-        metadata: Mapping[str, Any] = _EMPTY, prompt: str = "",
-        completion_metadata: Mapping[str, Any] = _EMPTY,
+        metadata: Mapping[str, Any] | None = None, prompt: str = "",
+        completion_metadata: Mapping[str, Any] | None = None,
     ) -> Sample:
-        """A `Sample` whose trace is extracted with the configured tags."""
+        """A `Sample` whose trace is extracted with the configured tags; its metadata are
+        plain dicts (they cross the pool boundary by pickle)."""
         tags = self.config.trace
         trace = extract_reasoning(text, reasoning=reasoning, open_tag=tags.open_tag,
                                   close_tag=tags.close_tag)
         return Sample(text=text, completion_ids=np.asarray(completion_ids, dtype=np.int32),
-                      trace=trace, finish_reason=finish_reason, metadata=metadata,
-                      prompt=prompt, completion_metadata=completion_metadata)
+                      trace=trace, finish_reason=finish_reason, metadata=_plain(metadata),
+                      prompt=prompt, completion_metadata=_plain(completion_metadata))
 
     async def score_group(self, samples: Sequence[Sample]) -> GroupScore:
         """Score one group (see `score_batch`)."""
@@ -163,11 +183,32 @@ class RewardBridge:
     async def score_batch(self, groups: Sequence[Sequence[Sample]]) -> list[GroupScore]:
         """Score several groups at once; components with `scope: batch` see all of them.
 
-        Raises `MissingFieldError` when a sample lacks a metadata field a component needs,
-        and `RewardError` when a component with `on_error: dead_letter` fails.
+        Raises the first group's failure (see `score_groups`).
         """
-        groups = [list(group) for group in groups]
-        self._check_fields(groups)
+        results = await self.score_groups(groups)
+        for result in results:
+            if isinstance(result, RewardError):
+                raise result
+        return [result for result in results if not isinstance(result, RewardError)]
+
+    async def score_groups(
+        self, groups: Sequence[Sequence[Sample]]
+    ) -> list[GroupScore | RewardError]:
+        """Score several groups together, each failing on its own: per group, its scores,
+        or `MissingFieldError` (it lacks a metadata field a component needs; it is then
+        left out of the batch population), or `RewardError` (a `dead_letter` component
+        failed on one of its samples after the retries; the error names the component)."""
+        results: list[GroupScore | RewardError | None] = [
+            self._missing_field(group) for group in groups]
+        live = [index for index, result in enumerate(results) if result is None]
+        scored = await self._score_live([list(groups[index]) for index in live])
+        for index, result in zip(live, scored, strict=True):
+            results[index] = result
+        return [result for result in results if result is not None]
+
+    async def _score_live(self, groups: list[list[Sample]]) -> list[GroupScore | RewardError]:
+        if not groups:
+            return []
         correctness = self.config.correctness_name()
         first = [(e, c) for e, c in self._components if not c.needs_correctness]
         second = [(e, c) for e, c in self._components if c.needs_correctness]
@@ -177,11 +218,14 @@ class RewardBridge:
                        for sample, score in zip(group, scores, strict=True)]
                       for group, scores in zip(groups, outcomes[correctness].scores, strict=True)]
         outcomes |= await self._run_all(second, groups)
-        for outcome in outcomes.values():
-            if outcome.fatal is not None:
-                raise outcome.fatal
         outcomes = {entry.name: outcomes[entry.name] for entry, _ in self._components}
-        return [self._assemble(index, group, outcomes) for index, group in enumerate(groups)]
+        results: list[GroupScore | RewardError] = []
+        for index, group in enumerate(groups):
+            failure = next((o.failures[index] for o in outcomes.values()
+                            if o.failures[index] is not None), None)
+            results.append(failure if failure is not None
+                           else self._assemble(index, group, outcomes))
+        return results
 
     async def _run_all(self, components: Sequence[tuple[ComponentEntry, RewardComponent[Any]]],
                        groups: Sequence[Sequence[Sample]]) -> dict[str, _Outcome]:
@@ -192,17 +236,17 @@ class RewardBridge:
         return dict(zip([e.name for e, _ in components], await asyncio.gather(
             *(self._run(e, c, groups) for e, c in components)), strict=True))
 
-    def _check_fields(self, groups: Sequence[Sequence[Sample]]) -> None:
+    def _missing_field(self, group: Sequence[Sample]) -> MissingFieldError | None:
         for entry, component in self._components:
             for field in component.required_fields():
-                for group in groups:
-                    for sample in group:
-                        if field not in sample.completion_metadata and field not in sample.metadata:
-                            raise MissingFieldError(field, component=entry.name)
+                for sample in group:
+                    if field not in sample.completion_metadata and field not in sample.metadata:
+                        return MissingFieldError(field, component=entry.name)
+        return None
 
     async def _run(self, entry: ComponentEntry, component: RewardComponent[Any],
                    groups: Sequence[Sequence[Sample]]) -> _Outcome:
-        outcome = _Outcome(scores=[], flags=[[] for _ in groups])
+        outcome = _Outcome(scores=[], flags=[[] for _ in groups], failures=[None] * len(groups))
         batch = [sample for group in groups for sample in group]
         placement = self._placement(entry, component)
         started = time.perf_counter()
@@ -211,11 +255,12 @@ class RewardBridge:
             if placement == "inline":
                 scores = []
                 for index, sample in enumerate(group):
-                    try:
+                    try:  # the usual case first: no task, no await
                         score = _checked(component.evaluate(sample, population),
                                          len(sample.completion_ids))
                     except Exception as exc:
-                        score = self._fail(entry, outcome, group_index, index, exc)
+                        score = await self._retry(entry, component, placement, outcome,
+                                                  group_index, index, sample, population, exc)
                     scores.append(score)
             else:
                 scores = list(await asyncio.gather(*(
@@ -230,17 +275,36 @@ class RewardBridge:
                     placement: str, outcome: _Outcome, group_index: int, index: int,
                     sample: Sample, population: Sequence[Sample]) -> Score:
         try:
-            if placement == "process":
-                assert self._pool is not None
-                shipped = population if component.uses_group else ()
-                score = await self._pool.run(component.evaluate, sample, shipped,
-                                             timeout_s=entry.timeout_s)
-            else:
-                score = await asyncio.wait_for(component.evaluate_async(sample, population),
-                                               entry.timeout_s)
-            return _checked(score, len(sample.completion_ids))
+            return await self._once(entry, component, placement, sample, population)
         except Exception as exc:
-            return self._fail(entry, outcome, group_index, index, exc)
+            return await self._retry(entry, component, placement, outcome, group_index,
+                                     index, sample, population, exc)
+
+    async def _once(self, entry: ComponentEntry, component: RewardComponent[Any],
+                    placement: str, sample: Sample, population: Sequence[Sample]) -> Score:
+        if placement == "process":
+            assert self._pool is not None
+            shipped = [_shippable(s) for s in population] if component.uses_group else ()
+            score = await self._pool.run(component.evaluate, _shippable(sample), shipped,
+                                         timeout_s=entry.timeout_s)
+        elif placement == "inline":
+            score = component.evaluate(sample, population)
+        else:
+            score = await asyncio.wait_for(component.evaluate_async(sample, population),
+                                           entry.timeout_s)
+        return _checked(score, len(sample.completion_ids))
+
+    async def _retry(self, entry: ComponentEntry, component: RewardComponent[Any],
+                     placement: str, outcome: _Outcome, group_index: int, index: int,
+                     sample: Sample, population: Sequence[Sample], exc: Exception) -> Score:
+        """Try a failed call again up to `entry.retries` times; then apply `on_error`."""
+        for attempt in range(1, entry.retries + 1):
+            await asyncio.sleep(_RETRY_BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                return await self._once(entry, component, placement, sample, population)
+            except Exception as again:
+                exc = again
+        return self._fail(entry, outcome, group_index, index, exc)
 
     def _fail(self, entry: ComponentEntry, outcome: _Outcome, group_index: int, index: int,
               exc: Exception) -> Score:
@@ -250,13 +314,15 @@ class RewardBridge:
             reason, detail = exc.reason, str(exc)
         else:
             reason, detail = "error", f"{type(exc).__name__}: {exc}"
-        if entry.on_error == "dead_letter" and outcome.fatal is None:
-            outcome.fatal = RewardError(
-                reason, f"component {entry.name!r} failed ({reason}): {detail}",
-                component=entry.name)
-        outcome.flags[group_index].append(
-            ComponentFlag(entry.name, index, reason, entry.on_error, detail))
-        return Score(0.0)
+        if entry.on_error == "dead_letter":
+            if outcome.failures[group_index] is None:
+                outcome.failures[group_index] = RewardError(
+                    reason, f"component {entry.name!r} failed on sample {index} "
+                    f"({reason}, {entry.retries + 1} tries): {detail}", component=entry.name)
+        else:
+            outcome.flags[group_index].append(
+                ComponentFlag(entry.name, index, reason, entry.on_error, detail))
+        return Score(None)
 
     def _assemble(self, index: int, group: Sequence[Sample],
                   outcomes: Mapping[str, _Outcome]) -> GroupScore:
@@ -305,6 +371,22 @@ class RewardBridge:
                               if key != name and value is not None)
         return sum((weights[key] * value for key, value in values.items() if value is not None),
                    start=0.0)
+
+
+def _plain(mapping: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`mapping` as a plain dict (picklable; no copy when it already is one)."""
+    if mapping is None:
+        return {}
+    return mapping if type(mapping) is dict else dict(mapping)
+
+
+def _shippable(sample: Sample) -> Sample:
+    """`sample` with plain-dict metadata, so that it pickles (a `MappingProxyType` does
+    not); the same object when it already has them."""
+    if type(sample.metadata) is dict and type(sample.completion_metadata) is dict:
+        return sample
+    return dataclasses.replace(sample, metadata=_plain(sample.metadata),
+                               completion_metadata=_plain(sample.completion_metadata))
 
 
 def _is_correct(score: Score) -> bool | None:

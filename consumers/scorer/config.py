@@ -10,7 +10,8 @@ Example (YAML)::
         component: soft_overlong   # a built-in name, or "package.module:Class"
         weight: 0.5
         settings: {max_completion_len: 4096, cache: 512}
-        on_error: dead_letter      # zero (default) | dead_letter
+        on_error: skip_component   # dead_letter (default) | skip_component
+        retries: 1                 # in-process retries of a failed call (default 1)
         timeout_s: 5
     advantages: {method: grpo, eps: 1.0e-6, ddof: 0, zero_variance: drop}
     trace: {open_tag: "<think>", close_tag: "</think>"}
@@ -69,10 +70,20 @@ class ComponentEntry(BaseModel):
     - `component`: a built-in type name (see `COMPONENTS`) or `package.module:Class`.
     - `weight`: its factor in the total (dimensionless).
     - `settings`: the component's own settings (validated against its settings model).
-    - `on_error`: when it raises or times out: `zero` (value 0.0, flagged) or
-      `dead_letter` (the group is dead-lettered with a `RewardError`).
+    - `on_error`: what a call that still fails after `retries` means (it raised, timed
+      out, or its pool process died: the reward is unknown, never 0):
+      `dead_letter` (the default: the group fails with a `RewardError`; the scorer
+      retries it, then dead-letters it as `reward_error` naming this component) or
+      `skip_component` (this component's value is None for that sample: it adds nothing
+      to the total, is flagged in the scored entry and counted under
+      `flag:<name>:<reason>`, and components reading correctness see `correct=None`).
+      The old `zero` policy is rejected: a failure is not a wrong answer.
+    - `retries`: in-process retries of a failed call before `on_error` applies (0–5;
+      default 1), after a short back-off (0.05 s, doubled per retry).
     - `timeout_s`: seconds per call, enforced for pool and async components (inline
-      components are cheap by contract and are timed, not interrupted).
+      components are cheap by contract and are timed, not interrupted). A timeout is a
+      failure like an exception; a component that wants "too slow" to score 0 (e.g. a
+      candidate's code running too long) must enforce that itself and return 0.
     - `run_in`: force `inline` or `process` placement (default: the component decides).
     """
 
@@ -82,9 +93,20 @@ class ComponentEntry(BaseModel):
     component: str = Field(min_length=1)
     weight: float = 1.0
     settings: dict[str, Any] = Field(default_factory=dict)
-    on_error: Literal["zero", "dead_letter"] = "zero"
+    on_error: Literal["dead_letter", "skip_component"] = "dead_letter"
+    retries: int = Field(default=1, ge=0, le=5)
     timeout_s: float = Field(default=10.0, gt=0)
     run_in: Literal["inline", "process"] | None = None
+
+    @field_validator("on_error", mode="before")
+    @classmethod
+    def _no_zero_policy(cls, value: Any) -> Any:
+        if value == "zero":
+            raise ValueError(
+                "'zero' is no longer accepted: a component that fails is not a score of 0; "
+                "use 'dead_letter' (retry, then dead-letter the group: the default) or "
+                "'skip_component' (the value is None for that sample, flagged and counted)")
+        return value
 
     @field_validator("component")
     @classmethod
@@ -207,6 +229,13 @@ class RewardConfig(BaseModel):
                 "component; add an 'accuracy' component or set 'correctness'")
         if self.correctness is not None and self.correctness not in names:
             raise ValueError(f"correctness: no component named {self.correctness!r}")
+        judge = next((e for e in self.components if e.name == self.correctness_name()), None)
+        if (self.combine == "roll_universal" and judge is not None
+                and judge.on_error == "skip_component"):
+            raise ValueError(
+                f"components.{judge.name}.on_error: 'skip_component' cannot apply to the "
+                "correctness component under combine 'roll_universal', which would read an "
+                "unknown correctness as wrong (-1); use 'dead_letter'")
         process = self.advantages.process_component
         if process is not None:
             entry = next((e for e in self.components if e.name == process), None)

@@ -2,17 +2,26 @@
 
 It reads the run's traj streams as consumer group ``scorers`` through a ``Stage``, so
 several scorer processes share the work, a crashed scorer's entries are reclaimed, and
-the forward script forwards each group once. Per group:
+the forward script forwards each group once. Per group (the ``Stage`` maps failures
+through ``schemas.failures``):
 
-- undecodable / unknown version → dead letter (``Stage``);
-- a component failing under ``on_error: dead_letter``, or missing gold metadata →
-  dead letter with the ``RewardError``'s reason;
+- undecodable / unknown version → dead letter at once;
+- missing reward metadata (``MissingFieldError``) → dead letter ``reward_missing_field``
+  at once;
+- a component that still fails after its in-process retries under ``on_error:
+  dead_letter`` (the reward is unknown, never 0) → left pending and retried by reclaim,
+  then dead-lettered ``reward_error`` with the component's name in the detail;
+- Redis unavailable while counting flags → left pending (retry);
 - a zero-variance group under ``zero_variance: drop`` → dropped, counted by reason;
 - otherwise a ``ScoredGroup`` with rewards, each component's raw values, advantages and
   per-token advantages is forwarded, in reference form: the scored entry names the traj
-  entry instead of copying its token arrays (``schemas.codec``). Components scored 0 by
-  the ``zero`` policy are flagged in the entry and counted under
+  entry instead of copying its token arrays (``schemas.codec``). Components skipped by
+  ``on_error: skip_component`` are flagged in the entry and counted under
   ``flag:<component>:<reason>``.
+
+When a component's population is the batch (``scope: batch``), the scorer offers the
+``Stage`` a ``batch_transform``: each read's groups are scored together in one
+``score_groups`` call, and each group is still forwarded, dropped or failed on its own.
 """
 
 from __future__ import annotations
@@ -25,10 +34,12 @@ import orjson
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import Delivery
+from consumers.bus import Delivery, translated_errors
 from consumers.scorer.bridge import GroupScore, RewardBridge
 from consumers.scorer.config import RewardConfig
-from consumers.stage import Drop, Forward, Outcome
+from consumers.scorer.errors import RewardError
+from consumers.scorer.sample import Sample
+from consumers.stage import BatchTransform, Drop, Forward, Outcome
 from schemas import ScoredGroup, SequenceScore, TrajectoryGroup, decode_trajectory, encode
 from schemas.keys import partner_key
 
@@ -72,23 +83,46 @@ class Scorer:
         self.bridge = bridge
         self.config_name = config_name
         self.redis = redis
-        """Where flags are counted; None: not counted (rescore into a file, tests)."""
+        """Where flags are counted; None: not counted (rescore, tests)."""
 
-    async def score(self, group: TrajectoryGroup) -> ScoredGroup | str:
-        """Score a group: the scored message, or the reason it is dropped."""
-        samples = [
+    @property
+    def batch_transform(self) -> BatchTransform | None:
+        """``transform_batch`` when some reward is scoped to the batch, else None (the
+        ``Stage`` then scores each delivery on its own, concurrently)."""
+        return self.transform_batch if self.bridge.batch_scoped else None
+
+    def samples(self, group: TrajectoryGroup) -> list[Sample]:
+        """The bridge's samples of a group's completions."""
+        return [
             self.bridge.make_sample(
                 c.text, c.completion_ids, reasoning=c.reasoning, finish_reason=c.finish_reason,
                 metadata=group.metadata, prompt=group.prompt_text, completion_metadata=c.info,
             )
             for c in group.completions
         ]
-        score = await self.bridge.score_group(samples)
+
+    def finish(self, group: TrajectoryGroup, score: GroupScore) -> ScoredGroup | str:
+        """The scored message of a scored group, or the reason it is dropped."""
         if score.drop_reason is not None:
             return score.drop_reason
         log.debug("group_scored", group_id=group.group_id, timings=score.timings,
                   mean_reward=sum(score.rewards) / len(score.rewards))
         return to_scored(group, score, self.config_name)
+
+    async def score(self, group: TrajectoryGroup) -> ScoredGroup | str:
+        """Score a group: the scored message, or the reason it is dropped. Raises
+        ``RewardError`` when it cannot be scored (see the module docstring)."""
+        return self.finish(group, await self.bridge.score_group(self.samples(group)))
+
+    async def score_many(
+        self, groups: Sequence[TrajectoryGroup]
+    ) -> list[ScoredGroup | str | RewardError]:
+        """Score groups together (one ``score_groups`` call; ``scope: batch`` components see
+        all of them): per group, its scored message, the reason it is dropped, or the
+        ``RewardError`` it failed with."""
+        scores = await self.bridge.score_groups([self.samples(group) for group in groups])
+        return [score if isinstance(score, RewardError) else self.finish(group, score)
+                for group, score in zip(groups, scores, strict=True)]
 
     async def __call__(self, delivery: Delivery) -> Outcome:
         group = decode_trajectory(delivery.fields)
@@ -96,17 +130,43 @@ class Scorer:
         if isinstance(result, str):
             return Drop(result)
         if result.flags:
-            await self._count_flags(delivery, result.flags)
+            await self._count_flags([(delivery, result.flags)])
         return Forward(encode(result, trajectory_id=delivery.entry_id))
 
-    async def _count_flags(self, delivery: Delivery, flags: Sequence[str]) -> None:
-        # Flags are informational (the group is still forwarded), so they are counted with a
-        # plain HINCRBY rather than inside the forward script.
-        if self.redis is None:
+    async def transform_batch(self, deliveries: Sequence[Delivery]) -> list[Outcome | Exception]:
+        """Score a read's groups together; one result per delivery (see ``Stage``)."""
+        results: list[Outcome | Exception | None] = [None] * len(deliveries)
+        decoded: list[tuple[int, TrajectoryGroup]] = []
+        for index, delivery in enumerate(deliveries):
+            try:
+                decoded.append((index, decode_trajectory(delivery.fields)))
+            except Exception as exc:  # the Stage sorts it (decode_error, or a bug)
+                results[index] = exc
+        scored = await self.score_many([group for _, group in decoded])
+        flagged: list[tuple[Delivery, Sequence[str]]] = []
+        for (index, _), result in zip(decoded, scored, strict=True):
+            if isinstance(result, RewardError):
+                results[index] = result
+            elif isinstance(result, str):
+                results[index] = Drop(result)
+            else:
+                if result.flags:
+                    flagged.append((deliveries[index], result.flags))
+                results[index] = Forward(encode(result, trajectory_id=deliveries[index].entry_id))
+        await self._count_flags(flagged)
+        return [result for result in results if result is not None]
+
+    async def _count_flags(self, flagged: Sequence[tuple[Delivery, Sequence[str]]]) -> None:
+        # Flags are informational (the group is still forwarded), so they are counted with
+        # plain HINCRBYs before the forward. A Redis failure here raises BrokerUnavailable:
+        # the entries are left pending and retried, which may count their flags again.
+        if self.redis is None or not flagged:
             return
-        key = partner_key(delivery.stream, "counters")
-        pipe = self.redis.pipeline(transaction=False)
-        for flag in flags:
-            component, reason, _ = flag.split(":", 2)
-            pipe.hincrby(key, f"flag:{component}:{reason}", 1)
-        await pipe.execute()
+        async with translated_errors("counting reward flags"):
+            pipe = self.redis.pipeline(transaction=False)
+            for delivery, flags in flagged:
+                key = partner_key(delivery.stream, "counters")
+                for flag in flags:
+                    component, reason, _ = flag.split(":", 2)
+                    pipe.hincrby(key, f"flag:{component}:{reason}", 1)
+            await pipe.execute()

@@ -2,10 +2,12 @@
 
 - `ConfigError`: the reward configuration is invalid. Raised at start-up, before any entry
   is read; the message names the offending field.
-- `RewardError`: a group could not be scored under the `dead_letter` policy (a component
-  raised or timed out), or cannot be scored at all (`MissingFieldError`: the env's metadata
-  lacks a field a component needs). The consumer dead-letters the group: retrying the same
-  entry would fail the same way.
+- `RewardError`: a group could not be scored: a component under `on_error: dead_letter`
+  still failed (raised, timed out, lost its pool process) after its in-process retries —
+  the reward is unknown, so the scorer retries the group and then dead-letters it as
+  `reward_error` (`schemas.failures`) — or it cannot be scored at all
+  (`MissingFieldError`: the env's metadata lacks a field a component needs; dead-lettered
+  at once as `reward_missing_field`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ class ConfigError(_RollqConfigError):
 
 
 class RewardError(_RollqRewardError):
-    """A group could not be scored; the consumer dead-letters it.
+    """A group could not be scored (see the module docstring for what happens to it).
 
-    `reason` is a short countable tag (`"error"`, `"timeout"`, `"missing_field"`);
+    `reason` is a short tag (`"error"`, `"timeout"`, `"worker_died"`, `"missing_field"`);
     `component` names the configured component, if one is to blame.
     """
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -18,10 +17,6 @@ Region = Literal["anywhere", "reasoning", "answer"]
 LengthUnit = Literal["chars", "tokens"]
 """`chars`: `len(text)` (plus the server-split reasoning); `tokens`: `len(completion_ids)`."""
 
-def _empty() -> Mapping[str, Any]:
-    return MappingProxyType({})
-
-
 # eq=False: numpy arrays have no boolean equality; samples compare by identity.
 @dataclass(frozen=True, eq=False)
 class Sample:
@@ -33,7 +28,9 @@ class Sample:
       `len(completion_ids)`, never a re-tokenisation.
     - `trace`: the reasoning/answer split (`extract_reasoning`).
     - `finish_reason`: the server's finish reason (`"stop"`, `"length"`, ...).
-    - `metadata`: the env's per-group metadata, e.g. `{"answer": "#### 42"}`.
+    - `metadata`: the env's per-group metadata, e.g. `{"answer": "#### 42"}`. Keep
+      it (and `completion_metadata`) picklable: pool components receive samples by
+      pickle; the bridge turns other mappings into plain dicts at the pool boundary.
     - `prompt`: the prompt text, for components that need it (a process reward model).
     - `completion_metadata`: the env's per-completion metadata (e.g. step labels or
       spans); looked up before `metadata` by components that accept either.
@@ -47,9 +44,9 @@ class Sample:
     completion_ids: NDArray[np.int32]
     trace: Trace
     finish_reason: str = "stop"
-    metadata: Mapping[str, Any] = field(default_factory=_empty)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
     prompt: str = ""
-    completion_metadata: Mapping[str, Any] = field(default_factory=_empty)
+    completion_metadata: Mapping[str, Any] = field(default_factory=dict)
     token_offsets: NDArray[np.int64] | None = None
     correct: bool | None = None
 

@@ -123,7 +123,7 @@ async def test_token_advantages_broadcast_sequence_advantage() -> None:
     assert [t.tolist() for t in result.token_advantages] == [[0.5, 0.5], [-0.5, -0.5, -0.5]]
 
 
-@pytest.mark.parametrize("on_error", ["zero", "dead_letter"])
+@pytest.mark.parametrize("on_error", ["skip_component", "dead_letter"])
 async def test_component_that_raises(on_error: str) -> None:
     cfg = config([{"name": "boom", "component": f"{CUSTOM}:Boom", "on_error": on_error},
                   {"name": "halves", "component": f"{__name__}:Halver"}])
@@ -133,13 +133,15 @@ async def test_component_that_raises(on_error: str) -> None:
             with pytest.raises(RewardError, match="boom") as caught:
                 await bridge.score_group(group)
             assert (caught.value.reason, caught.value.component) == ("error", "boom")
+            assert "2 tries" in str(caught.value)  # retried once in-process by default
             return
         result = await bridge.score_group(group)
-    assert result.components["boom"] == [0.0, 1.0]
+    # A failure is not a score: the value is unknown (None) and adds nothing.
+    assert result.components["boom"] == [None, 1.0]
     assert result.rewards == [0.5, 1.0]
     [flag] = result.flags
-    assert (flag.component, flag.sample, flag.reason, flag.policy) == ("boom", 0, "error",
-                                                                       "zero")
+    assert (flag.component, flag.sample, flag.reason, flag.policy) == (
+        "boom", 0, "error", "skip_component")
     assert "RuntimeError: boom" in flag.detail
     assert result.flag_counts() == {"boom:error": 1}
 
@@ -157,6 +159,7 @@ async def loop_lag(stop: asyncio.Event, interval: float = 0.01) -> float:
 
 async def test_hanging_reward_times_out_without_blocking_the_loop() -> None:
     cfg = config([{"name": "nap", "component": f"{CUSTOM}:Nap", "timeout_s": 0.5,
+                   "on_error": "skip_component", "retries": 0,
                    "settings": {"spin": True}}], pool={"workers": 1})
     async with RewardBridge(cfg) as bridge:
         stop = asyncio.Event()
@@ -169,7 +172,7 @@ async def test_hanging_reward_times_out_without_blocking_the_loop() -> None:
         # The spinning call was cut at its timeout, and the loop kept ticking meanwhile.
         assert 0.5 <= elapsed < 5.0
         assert lag < 0.2
-        assert result.components["nap"] == [0.0, 3.0]
+        assert result.components["nap"] == [None, 3.0]
         assert result.flag_counts() == {"nap:timeout": 1}
         # The one worker was killed and replaced: the pool still serves calls.
         again = await bridge.score_group([make_sample("abcd"), make_sample("ab")])
@@ -248,18 +251,18 @@ async def test_process_rewards_through_the_bridge() -> None:
                                [2 * high, high, 0.0], rtol=1e-5)
 
 
-async def test_prm_served_over_http_and_its_failure_flagged() -> None:
+async def test_prm_served_over_http_and_its_failure_skipped() -> None:
     def handle(request: httpx.Request) -> httpx.Response:
         steps = json.loads(request.content)["steps"]
         if "bad" in steps[0]:
             return httpx.Response(500)
         return httpx.Response(200, json={"scores": [0.9] * len(steps)})
 
-    components = [{"name": "prm", "component": "process",
+    components = [{"name": "prm", "component": "process", "on_error": "skip_component",
                    "settings": {"source": "prm", "prm": {"url": "http://prm.test/"}}}]
     group = [make_sample("<think>good\n\nstep</think>1"), make_sample("<think>bad</think>2")]
     async with RewardBridge(config(components),
                             transport=httpx.MockTransport(handle)) as bridge:
         result = await bridge.score_group(group)
-    assert result.components["prm"] == [pytest.approx(0.9), 0.0]
+    assert result.components["prm"] == [pytest.approx(0.9), None]
     assert result.flag_counts() == {"prm:prm_error": 1}

@@ -18,7 +18,8 @@ components:
     component: soft_overlong
     weight: 0.5
     settings: {max_completion_len: 4096, cache: 512}
-    on_error: dead_letter
+    on_error: skip_component
+    retries: 2
     timeout_s: 5
 advantages: {method: rloo, zero_variance: keep}
 trace: {open_tag: "<reasoning>", close_tag: "</reasoning>"}
@@ -37,7 +38,9 @@ def test_from_yaml_merges_the_preset(tmp_path: Path) -> None:
                                             "on_unparseable_gold": "zero"}
     assert entries["format"].settings == {"preset": "r1"}
     assert entries["overlong"].weight == 0.5
-    assert entries["overlong"].on_error == "dead_letter"
+    assert entries["overlong"].on_error == "skip_component"
+    assert entries["overlong"].retries == 2
+    assert (entries["format"].on_error, entries["format"].retries) == ("dead_letter", 1)
     assert config.advantages.method == "rloo"
     assert config.trace.open_tag == "<reasoning>"
     assert config.pool.workers == 3
@@ -77,6 +80,14 @@ def test_roll_universal_preset() -> None:
     ({"components": [{"name": "x", "component": "no.such.module:Thing"}]},
      ["components.0.component", "no.such.module:Thing"]),
     ({"preset": "r2"}, ["preset"]),
+    ({"components": [{"name": "a", "component": "tag_count", "on_error": "zero"}]},
+     ["components.0.on_error", "'zero' is no longer accepted", "skip_component",
+      "dead_letter"]),
+    ({"components": [{"name": "a", "component": "tag_count", "retries": -1}]},
+     ["components.0.retries"]),
+    ({"preset": "roll_universal",
+      "components": [{"name": "accuracy", "on_error": "skip_component"}]},
+     ["components.accuracy.on_error", "roll_universal"]),
 ])
 def test_config_errors_name_the_field(data: dict[str, Any], names: list[str]) -> None:
     with pytest.raises(ConfigError) as caught:
