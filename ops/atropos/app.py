@@ -49,9 +49,9 @@ from schemas.failures import classify
 
 log = structlog.get_logger("rollq.atropos")
 
-_EMPTY_EXAMPLE = {"tokens": [], "masks": [], "scores": [], "advantages": [], "ref_logprobs": [],
-                  "generation_params": [], "inference_logprobs": [], "messages": [],
-                  "images": []}
+_EMPTY_EXAMPLE: dict[str, list[Any]] = {
+    name: [] for name in ("tokens", "masks", "scores", "advantages", "ref_logprobs",
+                          "generation_params", "inference_logprobs", "messages", "images")}
 
 
 class JsonResponse(Response):

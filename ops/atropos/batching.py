@@ -168,9 +168,9 @@ def env_status(queue: Sequence[Queued], env_id: int, envs: list[dict[str, Any]],
         if item.env_id == env_id:
             group_size = max(group_size, item.size)
             own_sequences += item.size
-    minimum_sequences = {e["registered_id"]: int(batch_size * e["min_batch_allocation"])
-                         for e in envs if e.get("connected", False)
-                         and e.get("min_batch_allocation") is not None}
+    minimum_sequences: dict[int | None, int] = {
+        e["registered_id"]: int(batch_size * e["min_batch_allocation"]) for e in envs
+        if e.get("connected", False) and e.get("min_batch_allocation") is not None}
     others: dict[int | None, int] = {}
     for item in queue:
         if item.env_id != env_id:
@@ -179,7 +179,7 @@ def env_status(queue: Sequence[Queued], env_id: int, envs: list[dict[str, Any]],
     if largest > 1:
         for other, sequences in others.items():
             packed = math.ceil(sequences / largest) * largest
-            available += max(0, packed - minimum_sequences.get(other, 0))  # type: ignore[arg-type]
+            available += max(0, packed - minimum_sequences.get(other, 0))
     return {
         "current_step": step,
         "queue_size": (own_sequences + available) // group_size,

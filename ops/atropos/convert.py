@@ -133,7 +133,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
                                            .astype(np.float32).astype(np.float64)]),
                            _exact_f32(row)) for row in data.advantages):
         rebuilt.append("advantages")
-    posted = {name: value for name in SCORED_DATA_FIELDS
+    verbatim = {name: value for name in SCORED_DATA_FIELDS
               if name not in ("tokens", "scores", "env_id") and name not in rebuilt
               and (value := getattr(data, name)) is not None}
     now = time.time()
@@ -153,7 +153,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
             group_id=group_id, run=run, env=env, policy_version=policy_version,
             prompt_ids=tokens[0][:start].astype(np.int32), completions=completions,
             metadata={"atropos": {"env_id": data.env_id, "rebuilt": rebuilt,
-                                  "posted": posted}},
+                                  "posted": verbatim}},
             created_at=now, finished_at=now,
         )
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
@@ -196,8 +196,9 @@ def to_atropos(group: ScoredGroup) -> dict[str, Any]:
     trajectory = group.trajectory
     prompt = trajectory.prompt_ids
     start = len(prompt)
-    meta = trajectory.metadata.get("atropos")
-    own = isinstance(meta, dict)
+    found = trajectory.metadata.get("atropos")
+    own = isinstance(found, dict)
+    meta: dict[str, Any] = found if isinstance(found, dict) else {}
     rebuilt = set(meta.get("rebuilt", ())) if own else set(_REBUILDABLE)
     posted: dict[str, Any] = dict(meta.get("posted") or {}) if own else {}
     env_scores = group.reward_config == ENV_SCORES

@@ -174,7 +174,7 @@ class AtroposStore:
         a registration while a batch is out makes the next ``/batch`` hand it out again."""
         async with translated_errors("registering a trainer"):
             pipe = self.redis.pipeline(transaction=True)
-            pipe.hsetnx(self._state, "registration", orjson.dumps(registration))
+            pipe.hsetnx(self._state, "registration", orjson.dumps(registration).decode())
             pipe.hsetnx(self._state, "step", str(registration["starting_step"]))
             pipe.hexists(self._state, "outstanding")
             _, _, outstanding = await pipe.execute()
@@ -209,7 +209,7 @@ class AtroposStore:
                 raise UnknownEnv("list index out of range")
             envs[env_id]["connected"] = False
             async with translated_errors("disconnecting an env"):
-                await self.redis.lset(self._envs, env_id, orjson.dumps(envs[env_id]))
+                await self.redis.lset(self._envs, env_id, orjson.dumps(envs[env_id]).decode())
 
     # -- posting -------------------------------------------------------------------------------
 
@@ -279,7 +279,7 @@ class AtroposStore:
                     groups = [ScoredData.model_validate_json(item) for item in items]
                     chosen = groups_summing_to([len(g.tokens) for g in groups], expected)
                     entries = await self._entries([groups[i] for i in chosen], envs)
-                    pipe.multi()
+                    pipe.multi()  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
                     for stream, fields in entries:
                         pipe.xadd(stream, fields)  # type: ignore[arg-type]
                     if chosen:
@@ -470,7 +470,7 @@ class AtroposStore:
             if group_size != envs[env_id]["group_size"]:
                 envs[env_id]["group_size"] = group_size
                 async with translated_errors("updating an env"):
-                    await self.redis.lset(self._envs, env_id, orjson.dumps(envs[env_id]))
+                    await self.redis.lset(self._envs, env_id, orjson.dumps(envs[env_id]).decode())
             return status
 
     async def latest(self) -> bytes | None:
