@@ -41,7 +41,7 @@ class Exit(IntEnum):
 Handler = Callable[[argparse.Namespace, Mapping[str, str]], Coroutine[Any, Any, int]]
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def add_common_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="YAML config file (see README: Settings)")
     parser.add_argument("--redis-url", help="Redis URL [ROLLQ_REDIS_URL, default "
                         "redis://127.0.0.1:6379/0]")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, add_arguments, handler) in commands.COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name not in commands.NO_COMMON_FLAGS:
-            _common(command)
+            add_common_flags(command)
         add_arguments(command)
         command.set_defaults(handler=handler)
     return parser
