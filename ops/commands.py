@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from ops import runs as runs_command
 from ops.atropos import command as atropos_command
 from ops.cli import Exit, redis_client, settings_for
 from ops.settings import CommonSettings
@@ -304,10 +305,12 @@ COMMANDS: dict[str, Command] = {
                 _rescore_args, rescore_command),
     "status": ("show a run's streams, consumer groups, lag, pending entries and drops",
                _status_args, status),
+    "runs": ("list the runs in Redis; archive, delete or restore a finished one",
+             runs_command.add_arguments, runs_command.command),
     "tail": ("follow a stream of a run live (joins no consumer group)", _tail_args, tail),
     "tiny-model": ("write a tiny random Qwen2 model + tokenizer for local runs (needs the "
                    "'train' extra)", _tiny_model_args, tiny_model),
     "atropos-api": (atropos_command.HELP, atropos_command.add_arguments,
                     atropos_command.atropos_api),
 }
-NO_COMMON_FLAGS = {"tiny-model"}
+NO_COMMON_FLAGS = {"runs", "tiny-model"}
