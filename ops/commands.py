@@ -150,7 +150,8 @@ def _rescore_args(parser: argparse.ArgumentParser) -> None:
 
 
 async def rescore_command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from ops.roles import print_progress, rescore
+    from ops.rescore import rescore
+    from ops.roles import print_progress
     from ops.settings import ScorerSettings
     from schemas.keys import check_run_name
 
@@ -167,9 +168,9 @@ async def rescore_command(args: argparse.Namespace, environ: Mapping[str, str]) 
         await redis.aclose()
     if not exists:
         return _not_found(settings.run, runs)
-    scored, dropped = await rescore(settings, args.into, progress=print_progress)
-    print(f"\nrescored into run {args.into!r}: {scored} scored, {dropped} dropped",
-          file=sys.stderr)
+    result = await rescore(settings, args.into, progress=print_progress)
+    print(f"\nrescored into run {args.into!r}: {result.scored} scored, {result.dead} dead, "
+          f"{result.dropped} dropped", file=sys.stderr)
     return Exit.OK
 
 

@@ -1,4 +1,4 @@
-"""Wiring of the long-running roles: scorer, worker pool, feeder, rescore.
+"""Wiring of the long-running roles: scorer, worker pool, feeder (rescore: ``ops.rescore``).
 
 Each ``run_*`` coroutine owns its clients, runs until its ``stop`` event is set (by
 SIGINT/SIGTERM at the CLI edge) or its work is done, and closes everything on the way out.
@@ -18,17 +18,12 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import (
-    ReaderSettings,
-    StreamReader,
-    append_entries,
-    read_range,
-    trim_streams,
-)
+from consumers.bus import ReaderSettings, StreamReader, trim_streams
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
+from ops.looplag import LoopLagMonitor
 from ops.settings import FeederSettings, ReaderTuning, ScorerSettings, WorkerSettings
 from producers.envs.base import Env
 from producers.envs.registry import make_env
@@ -36,7 +31,6 @@ from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
-from schemas import DecodeError, decode_trajectory, encode
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
 from schemas.outage import OutageRider
 
@@ -122,11 +116,12 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                     await trim_streams(redis, [*reader.streams, *stream_keys(
                         settings.run, partitions, "scored")], int(settings.retention_s * 1000))
 
-            while not stop.is_set():
-                outages = rider.outages
-                await rider.call(step)
-                if rider.outages > outages:  # what was in hand when Redis went: now
-                    await rider.call(lambda: own_pending(reader, stage))
+            async with LoopLagMonitor("scorer"):
+                while not stop.is_set():
+                    outages = rider.outages
+                    await rider.call(step)
+                    if rider.outages > outages:  # what was in hand when Redis went: now
+                        await rider.call(lambda: own_pending(reader, stage))
             log.info("scorer_stopped", forwarded=stage.forwarded, dropped=stage.dropped,
                      dead_lettered=stage.dead_lettered)
             return stage
@@ -139,43 +134,6 @@ async def own_pending(reader: StreamReader, stage: Stage) -> None:
     pending = await reader.read_own_pending(count=10_000)
     if pending:
         await stage.process(pending)
-
-
-async def rescore(settings: ScorerSettings, into: str, *, progress: Callable[[str], None],
-                  batch: int = 64) -> tuple[int, int]:
-    """Replay the run's stored traj entries through ``settings.reward_config`` into the
-    scored stream of run ``into``. Returns (scored, dropped)."""
-    config = load_reward_config(settings.reward_config, processes=settings.processes)
-    redis = aioredis.Redis.from_url(settings.redis_url)
-    scored = dropped = seen = 0
-    try:
-        partitions = await _partitions(redis, settings.run, settings.partitions)
-        await Publisher(redis, into, partitions).register()
-        total = sum([await redis.xlen(k) for k in stream_keys(settings.run, partitions, "traj")])
-        async with RewardBridge(config) as bridge:
-            scorer = Scorer(bridge, config_fingerprint(config))
-            for source, target in zip(stream_keys(settings.run, partitions, "traj"),
-                                      stream_keys(into, partitions, "scored"), strict=True):
-                async for entries in read_range(redis, source, batch):
-                    out = []
-                    for _, fields in entries:
-                        seen += 1
-                        try:
-                            group = decode_trajectory(fields)
-                        except DecodeError:
-                            dropped += 1
-                            continue
-                        result = await scorer.score(group.model_copy(update={"run": into}))
-                        if isinstance(result, str):
-                            dropped += 1
-                        else:
-                            out.append(encode(result))
-                    scored += await append_entries(redis, target, out)
-                    progress(f"rescored {seen}/{total} groups: {scored} scored, "
-                             f"{dropped} dropped")
-        return scored, dropped
-    finally:
-        await redis.aclose()
 
 
 def env_factory(name: str, options: dict[str, object]) -> Callable[[], Env]:

@@ -6,12 +6,16 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import join_trajectories
+from consumers.bus import ReaderSettings, StreamReader, join_trajectories
+from consumers.scorer import GroupScore, RewardBridge, RewardConfig, RewardError, Sample
+from consumers.scorer.consumer import Scorer
+from consumers.stage import Stage
 from ops.cli import Exit, main
 from ops.roles import run_scorer
 from ops.settings import ScorerSettings
@@ -162,7 +166,7 @@ async def test_rescore_replays_into_another_run(
         "rescore", "--redis-url", redis_server.url, "--run", RUN, "--reward-config",
         str(alternative), "--into", "scoring-b"], {})
     assert code == Exit.OK
-    assert "rescored into run 'scoring-b': 5 scored, 0 dropped" in capsys.readouterr().err
+    assert "rescored into run 'scoring-b': 5 scored, 0 dead, 0 dropped" in capsys.readouterr().err
     rescored = await scored_groups(real_redis, "scoring-b")  # written inline: no join
     assert len(rescored) == 5 and all(g.trajectory.run == "scoring-b" for g in rescored)
     assert list(rescored[0].scores[0].components) == ["length"]
@@ -213,3 +217,48 @@ async def test_scorer_trims_acked_entries_of_both_streams(
     assert await real_redis.xlen(scored_key) == 1  # only the unread group is left
     assert await real_redis.xlen(traj_key) == 1  # and the trajectory it names
     assert len(await scored_groups(real_redis)) == 1
+
+
+BATCH_SCOPED = {
+    "components": [
+        {"name": "accuracy", "component": "accuracy", "settings": {"kind": "gsm8k"}},
+        {"name": "by_batch", "component": "length", "settings": {"scope": "batch"}},
+    ],
+    "advantages": {"zero_variance": "keep"},
+}
+
+
+async def test_batch_scoped_rewards_score_each_read_together(redis: aioredis.Redis) -> None:
+    """`scope: batch` under the real Stage: one bridge call per read, each group still
+    forwarded or dead-lettered on its own."""
+    publisher = Publisher(redis, RUN)
+    for group_id, texts, metadata in [
+            ("a", ["#### 42", "#### 41" + "x" * 20], {"answer": "42"}),
+            ("no-gold", ["#### 1", "#### 2"], {"question": "?"}),
+            ("b", ["#### 42" + "y" * 50, "#### 1"], {"answer": "42"})]:
+        await publisher.publish(make_group(run=RUN, group_id=group_id, group_size=2,
+                                           texts=texts, metadata=metadata))
+    async with RewardBridge(RewardConfig.from_mapping(BATCH_SCOPED)) as bridge:
+        calls: list[int] = []
+        score_groups = bridge.score_groups
+
+        async def counted(groups: Sequence[Sequence[Sample]]) -> list[GroupScore | RewardError]:
+            calls.append(len(groups))
+            return await score_groups(groups)
+
+        bridge.score_groups = counted  # type: ignore[method-assign]
+        scorer = Scorer(bridge, "batch", redis)
+        assert scorer.batch_transform is not None
+        stage = Stage(StreamReader(redis, [stream_key(RUN, 0, "traj")], "scorers", "s1",
+                                   ReaderSettings(block_ms=20)), scorer)
+        await stage.drain()
+    assert calls == [3]  # one call for the read (the group without gold fails on its own)
+    assert (stage.forwarded, stage.dead_lettered) == (2, 1)
+    (letter,) = [decode_dead(f) for _, f in await redis.xrange(stream_key(RUN, 0, "dead"))]
+    assert letter.reason == "reward_missing_field"
+    groups = {g.group_id: g for g in await scored_groups(redis)}
+    # Lengths over the batch of both scored groups: 7, 27, 57, 6 chars (min 6, max 57).
+    assert [s.components["by_batch"] for s in groups["a"].scores] == pytest.approx(
+        [0.5 - 1 / 51, min(0.0, 0.5 - 21 / 51)])
+    assert [s.components["by_batch"] for s in groups["b"].scores] == pytest.approx(
+        [0.5 - 51 / 51, 0.0])
