@@ -1,0 +1,236 @@
+"""The whole rollq pipeline as real processes, for the chaos and soak benchmarks.
+
+On a redis-server and a zero-latency fake vLLM server (``bench.workers``) it runs
+``rollq feed``, two ``rollq workers``, two ``rollq score`` and one trainer
+(``python -m bench.pipeline trainer``: the SDK's ``SyncTrainerClient``; its "model" is the
+list of group ids it trained, checkpointed after every ``ack`` together with
+``client.state()`` and restored with ``load_state`` on restart, as a real trainer does).
+``Role`` starts, kills and restarts one process; ``outcome`` checks that every admitted
+group was trained exactly once or dead-lettered with a reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from schemas import decode_dead
+from schemas.keys import ADMITTED_FIELD, DROP_PREFIX, counters_key, state_key, stream_key
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUN = "chaos"
+GSM8K_ITEMS = 200  # the sample dataset rollq ships (producers/data/gsm8k_sample.jsonl)
+REWARD = ("components:\n  - name: length\n    component: length_bounty\n"
+          "advantages: {method: grpo, zero_variance: keep}\n")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    groups: int
+    """Groups to admit (rounded up to whole epochs of the 200-item dataset)."""
+    batch_groups: int = 8
+    step_s: float = 0.4
+    """Seconds per trainer step: the feeder paces the whole run to it."""
+    job_timeout_s: float = 8.0
+    """A killed worker's jobs are re-run after this."""
+    run: str = RUN
+
+
+# ------------------------------------------------------------------------------ the trainer
+
+def trainer_main(args: argparse.Namespace) -> int:
+    """A trainer whose model is how often it trained each dataset position (one byte a
+    group, so its memory stays flat in a long soak); see the module doc."""
+    from consumers.trainer import SyncTrainerClient, TrainerClientSettings
+
+    checkpoint = Path(args.checkpoint)
+    settings = TrainerClientSettings(batch_groups=args.batch_groups, max_staleness=None,
+                                     reclaim_idle_ms=3000, reclaim_every_s=1.0,
+                                     block_ms=200)
+    with SyncTrainerClient(args.redis_url, run=args.run, consumer="trainer-0",
+                           settings=settings) as client:
+        counts = bytearray()
+        step = 0
+        if checkpoint.exists():
+            saved = json.loads(checkpoint.read_text())
+            counts, step = bytearray.fromhex(saved["counts"]), saved["step"]
+            client.load_state(saved["client"])
+        while True:
+            batch = client.next_batch(groups=args.batch_groups, timeout_s=1.0)
+            if not batch.groups:
+                continue
+            for group_id in batch.group_ids:  # "the optimizer step"
+                position = int(group_id.rsplit(":", 1)[1])
+                if position >= len(counts):
+                    counts.extend(bytes(position + 1 - len(counts)))
+                counts[position] = min(255, counts[position] + 1)
+            time.sleep(args.step_s)
+            step += 1
+            client.publish_policy(step, checkpoint.parent)  # no servers: bumps the version
+            batch.ack()
+            _write_atomically(checkpoint, {"counts": counts.hex(), "step": step,
+                                           "client": client.state()})
+
+
+def _write_atomically(path: Path, document: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(document))
+    tmp.replace(path)
+
+
+# ------------------------------------------------------------------------------ the harness
+
+@dataclass
+class Role:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+    kills: int = 0
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(self.argv, env=self.env, cwd=REPO_ROOT,
+                                            stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            self.kills += 1
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    @property
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+
+@dataclass
+class Outcome:
+    admitted: int
+    trained_once: int
+    lost: list[str]
+    duplicated: list[str]
+    dead: Counter[str]
+    wall_s: float
+    kills: dict[str, int] = field(default_factory=dict)
+
+    def line(self) -> str:
+        reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.dead.items()))
+        return (f"chaos: admitted {self.admitted}, trained once {self.trained_once}, "
+                f"lost {len(self.lost)}, duplicated {len(self.duplicated)}, "
+                f"dead {sum(self.dead.values())} ({reasons})")
+
+    @property
+    def ok(self) -> bool:
+        return not self.lost and not self.duplicated
+
+
+def build_roles(redis_url: str, inference: str, directory: Path,
+                options: PipelineOptions) -> list[Role]:
+    """The pipeline's processes (not started), logging JSON to files in ``directory``."""
+    epochs = -(-options.groups // GSM8K_ITEMS)
+    env = {**os.environ, "ROLLQ_REDIS_URL": redis_url, "ROLLQ_RUN": options.run,
+           "ROLLQ_LOG_FORMAT": "json", "ROLLQ_RECLAIM_IDLE_S": "3",
+           "ROLLQ_JOB_TIMEOUT_S": str(options.job_timeout_s), "ROLLQ_MAX_TRIES": "5",
+           "ROLLQ_REDIS_GIVE_UP_S": "120", "ROLLQ_BLOCK_MS": "200",
+           "ROLLQ_REQUEST_TIMEOUT_S": "10"}
+    reward = directory / "reward.yaml"
+    reward.write_text(REWARD)
+    rollq = [sys.executable, "-m", "ops.cli"]
+    feeder = [*rollq, "feed", "--env", "gsm8k", "--epochs", str(epochs),
+              "--batch-groups", str(options.batch_groups), "--max-staleness", "4"]
+    feeder_env = {**env, "ROLLQ_POLL_S": "0.05"}
+    roles = [Role("feeder", feeder, feeder_env, directory / "feeder.log")]
+    for i in range(2):
+        roles.append(Role(f"workers-{i}", [
+            *rollq, "workers", "--env", "gsm8k", "--inference", inference, "--concurrency",
+            "8", "--group-size", "4", "--max-tokens", "16"], env, directory / f"workers-{i}.log"))
+        roles.append(Role(f"scorer-{i}", [*rollq, "score", "--reward-config", str(reward),
+                                          "--consumer", f"scorer-{i}"],
+                          env, directory / f"scorer-{i}.log"))
+    roles.append(Role("trainer", [sys.executable, "-m", "bench.pipeline", "trainer",
+                                  "--run", options.run,
+                                  "--redis-url", redis_url, "--checkpoint",
+                                  str(directory / "trainer.json"),
+                                  "--batch-groups", str(options.batch_groups),
+                                  "--step-s", str(options.step_s)],
+                      env, directory / "trainer.log"))
+    return roles
+
+
+async def settled(redis: aioredis.Redis, run: str, checkpoint: Path) -> tuple[int, int]:
+    """(admitted, trained + dropped/dead) as the run stands now."""
+    admitted = int(await redis.hget(state_key(run), ADMITTED_FIELD) or 0)
+    counters = await redis.hgetall(counters_key(run, 0))
+    dropped = sum(int(v) for k, v in counters.items()
+                  if k.startswith(DROP_PREFIX.encode()) and k != b"drop:duplicate")
+    return admitted, len(trained(checkpoint)) + dropped
+
+
+def trained(checkpoint: Path) -> Counter[int]:
+    """Times each dataset position was trained, per the trainer's last checkpoint."""
+    try:
+        counts = bytes.fromhex(json.loads(checkpoint.read_text())["counts"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return Counter()
+    return Counter({position: n for position, n in enumerate(counts) if n})
+
+
+async def outcome(redis: aioredis.Redis, run: str, checkpoint: Path, started: float) -> Outcome:
+    """Check every admitted group: trained once (in the last checkpoint) or dead/dropped."""
+    admitted = int(await redis.hget(state_key(run), ADMITTED_FIELD) or 0)
+    counts = Counter(trained(checkpoint))
+    dead: Counter[str] = Counter()
+    dead_ids: set[str] = set()
+    for _, fields in await redis.xrange(stream_key(run, 0, "dead")):
+        letter = decode_dead(fields)
+        dead[letter.reason] += 1
+        group_id = letter.payload.get(b"group_id", letter.source_id.encode()).decode()
+        dead_ids.add(group_id)
+    counters = await redis.hgetall(counters_key(run, 0))
+    for key, value in counters.items():  # drops that are not dead letters (stale, ...)
+        reason = key.decode()[len(DROP_PREFIX):]
+        if key.startswith(DROP_PREFIX.encode()) and reason not in dead and reason != "duplicate":
+            dead[reason] += int(value)
+    lost = [f"{run}:gsm8k:{p}" for p in range(admitted)
+            if p not in counts and f"{run}:gsm8k:{p}" not in dead_ids]
+    return Outcome(admitted=admitted, trained_once=sum(1 for n in counts.values() if n == 1),
+                   lost=lost, duplicated=[f"{run}:gsm8k:{p}" for p, n in counts.items() if n > 1],
+                   dead=dead, wall_s=time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline")
+    sub = parser.add_subparsers(dest="mode", required=True)
+    trainer = sub.add_parser("trainer", help="the pipeline's trainer process")
+    trainer.add_argument("--redis-url", required=True)
+    trainer.add_argument("--run", default=RUN)
+    trainer.add_argument("--checkpoint", required=True)
+    trainer.add_argument("--batch-groups", type=int, default=8)
+    trainer.add_argument("--step-s", type=float, default=0.4)
+    return trainer_main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
