@@ -246,7 +246,7 @@ async def test_batch_scoped_rewards_score_each_read_together(redis: aioredis.Red
             calls.append(len(groups))
             return await score_groups(groups)
 
-        bridge.score_groups = counted  # type: ignore[method-assign]
+        bridge.score_groups = counted  # type: ignore[method-assign]  # a spy, for this test
         scorer = Scorer(bridge, "batch", redis)
         assert scorer.batch_transform is not None
         stage = Stage(StreamReader(redis, [stream_key(RUN, 0, "traj")], "scorers", "s1",

@@ -37,7 +37,8 @@ def groups() -> list[list[Sample]]:
     the bridge hands the pool plain dicts."""
     gold = {"answer": "$\\frac{1}{2}$"}
     first, second = ([make_sample(text, tokens=10 + 7 * i + offset, metadata=gold,
-                                  completion_metadata={"step_labels": labels})
+                                  completion_metadata={"step_labels": labels,
+                                                       "env_score": 0.25 * i})
                       for i, (text, labels) in enumerate(zip(TEXTS, LABELS, strict=True))]
                      for offset in (0, 40))
     second = [replace(sample, metadata=MappingProxyType(dict(sample.metadata)),
@@ -73,6 +74,10 @@ async def test_every_builtin_component_scores_the_same_in_the_pool() -> None:
         assert in_pool.token_rewards is not None and on_loop.token_rewards is not None
         for a, b in zip(in_pool.token_rewards, on_loop.token_rewards, strict=True):
             np.testing.assert_allclose(a, b)
+    # Every component really scored something (a new one needing settings or metadata
+    # that this test lacks would be all None): add them to SETTINGS / groups().
+    for name, values in pooled[0].components.items():
+        assert any(value is not None for value in values), name
     # The samples really were scored (not all skipped or equal): accuracy tells them apart.
     assert pooled[0].components["accuracy"] == [1.0, 0.0, 1.0]
     assert pooled[0].components["process"] == [0.5, 0.5, 1.0]
