@@ -9,9 +9,10 @@ group then ends in exactly one of:
 - **scored**: its inline-form scored entry is added to the target run's scored stream;
 - **dropped**: (e.g. ``zero_variance``) counted under ``drop:<reason>`` in the target;
 - **dead letter**: it could not be decoded or scored; ``schemas.failures.decide`` names
-  the reason (reward failures are retried ``attempts`` times with back-off first), and the
-  letter goes to the TARGET run's dead stream with its payload, counted there under
-  ``drop:<reason>``. The replay then goes on with the next group.
+  the reason (reward failures are retried ``attempts`` times with back-off first, together
+  with the batch's other failed groups), and the letter goes to the TARGET run's dead
+  stream with its payload (``consumer_group`` ``rescore``; ``source_stream`` the source
+  run's traj stream), counted there under ``drop:<reason>``. The replay goes on.
 
 Target partitions are chosen from each group's id, like a producer would; an entry that
 cannot be decoded goes to the partition of its source stream's index.
