@@ -45,6 +45,11 @@ class PipelineOptions:
     job_timeout_s: float = 8.0
     """A killed worker's jobs are re-run after this."""
     run: str = RUN
+    fixed_consumer_names: bool = True
+    """Scorers keep their consumer name across restarts; False: the default host-pid name,
+    so every restart adds a consumer (the soak checks they are cleaned up)."""
+    retention_s: float = 3600.0
+    """The roles' ``retention_s``: acknowledged entries kept this long."""
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -135,9 +140,9 @@ class Outcome:
     wall_s: float
     kills: dict[str, int] = field(default_factory=dict)
 
-    def line(self) -> str:
+    def line(self, name: str = "chaos") -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.dead.items()))
-        return (f"chaos: admitted {self.admitted}, trained once {self.trained_once}, "
+        return (f"{name}: admitted {self.admitted}, trained once {self.trained_once}, "
                 f"lost {len(self.lost)}, duplicated {len(self.duplicated)}, "
                 f"dead {sum(self.dead.values())} ({reasons})")
 
@@ -154,7 +159,7 @@ def build_roles(redis_url: str, inference: str, directory: Path,
            "ROLLQ_LOG_FORMAT": "json", "ROLLQ_RECLAIM_IDLE_S": "3",
            "ROLLQ_JOB_TIMEOUT_S": str(options.job_timeout_s), "ROLLQ_MAX_TRIES": "5",
            "ROLLQ_REDIS_GIVE_UP_S": "120", "ROLLQ_BLOCK_MS": "200",
-           "ROLLQ_REQUEST_TIMEOUT_S": "10"}
+           "ROLLQ_REQUEST_TIMEOUT_S": "10", "ROLLQ_RETENTION_S": str(options.retention_s)}
     reward = directory / "reward.yaml"
     reward.write_text(REWARD)
     rollq = [sys.executable, "-m", "ops.cli"]
@@ -166,9 +171,9 @@ def build_roles(redis_url: str, inference: str, directory: Path,
         roles.append(Role(f"workers-{i}", [
             *rollq, "workers", "--env", "gsm8k", "--inference", inference, "--concurrency",
             "8", "--group-size", "4", "--max-tokens", "16"], env, directory / f"workers-{i}.log"))
+        named = ["--consumer", f"scorer-{i}"] if options.fixed_consumer_names else []
         roles.append(Role(f"scorer-{i}", [*rollq, "score", "--reward-config", str(reward),
-                                          "--consumer", f"scorer-{i}"],
-                          env, directory / f"scorer-{i}.log"))
+                                          *named], env, directory / f"scorer-{i}.log"))
     roles.append(Role("trainer", [sys.executable, "-m", "bench.pipeline", "trainer",
                                   "--run", options.run,
                                   "--redis-url", redis_url, "--checkpoint",

@@ -65,7 +65,9 @@ def configure_logging(log_format: LogFormat = "auto", level: str = "info") -> No
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
         logger_factory=lambda *args: _StderrLogger(),
-        cache_logger_on_first_use=True,
+        # Not cached: a cached logger keeps the processors it was made with, so a later
+        # reconfiguration (structlog.testing.capture_logs in tests) would not reach it.
+        cache_logger_on_first_use=False,
     )
     handler = _StderrHandler()
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
