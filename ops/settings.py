@@ -169,9 +169,9 @@ def load_settings(
     if config_file is not None:
         document = _read_config(config_file)
         role = document.pop(section, None) or {}
-        for other in ROLES:
+        for other in roles():
             document.pop(other, None)
-        known = set().union(*(model.model_fields for model in ROLES.values()))
+        known = set().union(*(model.model_fields for model in roles().values()))
         for name, value in document.items():
             if name not in known:
                 raise ConfigError(f"{config_file}: unknown setting {name!r}")
@@ -201,12 +201,17 @@ def load_settings(
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
 
 
-ROLES: dict[str, type[CommonSettings]] = {
-    "scorer": ScorerSettings,
-    "workers": WorkerSettings,
-    "feeder": FeederSettings,
-    "trainer": TrainerSettings,
-}
+def roles() -> dict[str, type[CommonSettings]]:
+    """Every role's settings by config-file section name."""
+    from ops.atropos.settings import AtroposApiSettings  # that module builds on this one
+
+    return {
+        "scorer": ScorerSettings,
+        "workers": WorkerSettings,
+        "feeder": FeederSettings,
+        "trainer": TrainerSettings,
+        "atropos_api": AtroposApiSettings,
+    }
 
 
 def _read_config(path: Path) -> dict[str, Any]:

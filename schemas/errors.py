@@ -7,8 +7,10 @@ the stream entry by the branch alone:
   processed. Dead-letter it with the reason and ack it: retrying cannot help.
 - ``TransientError`` (``BrokerUnavailable``, ``InferenceUnavailable``): the outside world is
   briefly unavailable. Leave the entry unacked; redelivery or a retry will take it again.
-- ``RewardError``: a reward component failed; the scorer applies the component's configured
-  policy (score 0 and flag, or dead-letter the group).
+- ``RewardError``: a reward component could not produce a value (it raised, timed out, its
+  pool process died). Never a score of 0: the component's policy either skips it for that
+  sample (``skip_component``: no value, flagged) or makes the group's reward unknown, which
+  is retried and then dead-lettered as ``reward_error`` (``schemas.failures``).
 - ``ConfigError``: a setting is wrong. Raised at start-up, before any entry is read; the CLI
   exits non-zero with the message.
 
@@ -47,7 +49,7 @@ class InferenceUnavailable(TransientError):
 
 
 class RewardError(RollqError):
-    """A reward component raised or timed out; the component's policy decides."""
+    """A reward component could not produce a value; never turned into a score of 0."""
 
 
 class ConfigError(RollqError, ValueError):
