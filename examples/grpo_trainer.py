@@ -16,6 +16,12 @@ Resume with ``--resume``: the model and optimizer come back from the checkpoint 
 the final weights exactly once. ``--flip-advantages`` is the control experiment: it trains
 against the signal, and the reward must not rise.
 
+``--kl-coef β`` adds β·KL(policy ‖ reference) to the loss, the reference being a frozen copy
+of ``--model`` (the starting weights, also on resume): the k3 estimator
+``exp(r - p) - (r - p) - 1`` per trainable token (p, r: the policy's and the reference's
+log-probabilities), averaged like the PPO term. It keeps a small model from collapsing onto
+one answer. ``--torch-threads 1`` leaves the other cores to a CPU vLLM server beside it.
+
 Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU elsewhere
 (``--device cuda``).
 """
@@ -51,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
+    parser.add_argument("--kl-coef", type=float, default=0.0,
+                        help="β of the KL term to the frozen --model weights (0: none) [0]")
+    parser.add_argument("--torch-threads", type=int,
+                        help="torch CPU threads (1 beside a CPU vLLM server) [torch's default]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward")
     parser.add_argument("--checkpoint-every", type=int, default=5)
@@ -86,6 +96,25 @@ def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages
             "clip_fraction": float((((ratio - 1).abs() > clip).float() * mask).sum() / tokens),
         }
     return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+    """KL(policy ‖ reference), k3 estimator per token, averaged over trainable tokens."""
+    log_ratio = reference_logprobs - logprobs
+    per_token = torch.exp(log_ratio) - log_ratio - 1
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+def component_means(groups: Any) -> dict[str, float]:
+    """Mean raw value of each reward component over a batch's completions (None skipped)."""
+    values: dict[str, list[float]] = {}
+    for group in groups:
+        for score in group.scores:
+            for name, value in score.components.items():
+                if value is not None:
+                    values.setdefault(name, []).append(value)
+    return {name: sum(found) / len(found) for name, found in values.items()}
 
 
 def save_checkpoint(path: Path, model: Any, optimizer: Any, step: int,
@@ -127,11 +156,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     weights_dir, checkpoint = out / "weights", out / "checkpoint.pt"
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
     model.to(args.device).train()
+    reference = None
+    if args.kl_coef > 0:
+        reference = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+        reference.to(args.device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
@@ -165,6 +200,14 @@ def train(args: argparse.Namespace) -> int:
                                       tensors["labels"])
             loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
                                     tensors["advantages"], tensors["mask"], args.clip)
+            if reference is not None:
+                with torch.no_grad():
+                    reference_logprobs = token_logprobs(
+                        reference, tensors["input_ids"], tensors["attention_mask"],
+                        tensors["labels"])
+                kl = kl_penalty(logprobs, reference_logprobs, tensors["mask"])
+                loss = loss + args.kl_coef * kl
+                stats["kl"] = float(kl)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -180,7 +223,8 @@ def train(args: argparse.Namespace) -> int:
                 "tokens": int(batch.loss_mask.sum()), "groups": len(batch.groups),
                 "staleness": step - 1 - min(g.policy_version for g in batch.groups),
                 "seconds": time.monotonic() - started, "time": time.time(),
-                "group_ids": batch.group_ids, **stats,
+                "group_ids": batch.group_ids, "components": component_means(batch.groups),
+                **stats,
             }
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")

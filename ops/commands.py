@@ -243,16 +243,24 @@ async def feed(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-out"),
                         help="where the plot, summary, logs and model go [demo-out]")
-    parser.add_argument("--steps", type=int, default=60, help="trainer steps [60]")
+    parser.add_argument("--task", choices=("digits", "sums"), default="digits",
+                        help="digits: the digit-fraction toy reward; sums: single-digit sums "
+                        "scored by format + math-verify accuracy, from a format warm start, "
+                        "with train and held-out accuracy curves [digits]")
+    parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
                         "CPU server (bash .ci/demo sets it up)")
     parser.add_argument("--inference", help="use this running vLLM server instead")
     parser.add_argument("--model", type=Path,
                         help="with --inference: the HF model directory that server serves")
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate [2e-3]")
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--batch-groups", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, help="AdamW learning rate [2e-3; sums 5e-4]")
+    parser.add_argument("--group-size", type=int, help="completions per group [8]")
+    parser.add_argument("--batch-groups", type=int, help="groups per step [8; sums 16]")
+    parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20]")
+    parser.add_argument("--kl-coef", type=float,
+                        help="KL term to the starting weights [0; sums 0.1]")
+    parser.add_argument("--eval-every", type=int, help="sums: evaluate every N steps [25]")
+    parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward (it must not rise)")
 
@@ -280,14 +288,17 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     # cancel a task that never yields: take both signals back.
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    options = DemoOptions(
-        out=args.out, steps=args.steps, run=args.run or "demo", redis_url=args.redis_url,
-        inference=args.inference, model=args.model, vllm_python=args.vllm_python, lr=args.lr,
-        group_size=args.group_size, batch_groups=args.batch_groups, max_tokens=args.max_tokens,
-        flip_advantages=args.flip_advantages)
+    given = {"steps": args.steps, "lr": args.lr, "group_size": args.group_size,
+             "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
+             "kl_coef": args.kl_coef, "eval_every": args.eval_every, "seed": args.seed}
+    options = DemoOptions.for_task(
+        args.task, out=args.out, run=args.run or "demo", redis_url=args.redis_url,
+        inference=args.inference, model=args.model, vllm_python=args.vllm_python,
+        flip_advantages=args.flip_advantages,
+        **{key: value for key, value in given.items() if value is not None})
     result = run_demo(options, say=lambda line: print(line, flush=True))
     print_summary(result)
-    return Exit.OK if len(result.steps) == args.steps else Exit.FAILURE
+    return Exit.OK if len(result.steps) == options.steps else Exit.FAILURE
 
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None],

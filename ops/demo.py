@@ -11,29 +11,41 @@ separate processes, exactly as a deployment runs them:
 and shows live progress until the trainer has done ``steps`` steps. Then it writes
 ``reward.png`` (reward vs step) and ``summary.json`` to the output directory and stops
 every process it started.
+
+``task="sums"`` (``rollq demo --task sums``) is a reasoning-shaped task instead: single-digit
+sums (``producers.envs.sums``) scored by ``examples/rewards/sums.yaml`` (format + math-verify
+accuracy), starting from the tiny model warm-started on the format with random answers
+(``ops.warm_start``), trained with a KL term to that start. Every ``eval_every`` steps (and
+at step 0) the served policy answers the 80 training and 20 held-out problems greedily
+(``ops.evaluate``); ``learning.png`` plots the format reward, batch accuracy and both
+evaluated accuracies, and ``summary.json`` holds the curves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import httpx
 import redis
 
 from ops.stack import RedisProcess, VllmProcess
 from schemas import ConfigError
-from schemas.keys import StreamName, counters_key, stream_key
+from schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_key, stream_key
 
-EXAMPLE_TRAINER = Path(__file__).resolve().parent.parent / "examples" / "grpo_trainer.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
+SUMS_REWARD = EXAMPLES / "rewards" / "sums.yaml"
+Task = Literal["digits", "sums"]
 
 DEMO_REWARD = """\
 # The demo's reward: the fraction of digit characters in the completion. Dense, so a tiny
@@ -49,6 +61,9 @@ pool: {workers: 1}
 
 @dataclass
 class DemoOptions:
+    """What ``run_demo`` runs. ``model``: the starting model (for ``sums``, already
+    warm-started); None writes the tiny model (and, for ``sums``, warm-starts it)."""
+
     out: Path
     steps: int = 60
     run: str = "demo"
@@ -63,6 +78,25 @@ class DemoOptions:
     lr: float = 2e-3
     flip_advantages: bool = False
     step_timeout_s: float = 120.0
+    task: Task = "digits"
+    kl_coef: float = 0.0
+    torch_threads: int | None = None
+    eval_every: int = 25
+    """``sums``: evaluate train and held-out accuracy every this many trainer steps."""
+    warm_start_steps: int = 300
+    seed: int = 0
+
+    @classmethod
+    def for_task(cls, task: Task, **given: Any) -> DemoOptions:
+        """Options for ``task``: its defaults (``TASK_DEFAULTS``), then ``given``."""
+        return cls(task=task, **{**TASK_DEFAULTS.get(task, {}), **given})
+
+
+TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Measured on 2 CPU cores: accuracy on the training problems ~0.9 after ~600 steps.
+    "sums": {"steps": 600, "batch_groups": 16, "group_size": 8, "max_tokens": 20, "lr": 5e-4,
+             "kl_coef": 0.1, "torch_threads": 1},
+}
 
 
 @dataclass
@@ -72,6 +106,9 @@ class DemoResult:
     out: Path
     plot: Path | None = None
     drops: dict[str, int] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """``sums``: one row per evaluation (step, seconds, train/held-out accuracy and format)."""
+    warm_start: dict[str, Any] | None = None
 
     def reward_at(self, first: bool, window: int = 5) -> float:
         rows = self.steps[:window] if first else self.steps[-window:]
@@ -156,12 +193,14 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
     out = options.out.resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "summary.json"):
+    for stale in ("metrics.jsonl", "summary.json", "evals.jsonl"):
         (out / stale).unlink(missing_ok=True)
     started = time.monotonic()
     embedded_redis: RedisProcess | None = None
     vllm: VllmProcess | None = None
     processes = Processes(logs)
+    evals: list[dict[str, Any]] = []
+    warm: dict[str, Any] | None = None
     try:
         redis_url = options.redis_url
         if redis_url is None:
@@ -170,10 +209,7 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             say(f"redis: embedded redis-server on {redis_url}")
         model = options.model
         if model is None:
-            from ops.tiny_model import write_tiny_model
-
-            model = write_tiny_model(out / "tiny-model", seed=0)
-            say(f"model: wrote the tiny Qwen2 model to {model}")
+            model, warm = _write_model(options, out, say)
         inference = options.inference
         if inference is None:
             if not options.vllm_python:
@@ -190,11 +226,15 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
                               "pick another --run or an empty Redis")
         env = {**os.environ, "ROLLQ_REDIS_URL": redis_url, "ROLLQ_RUN": options.run,
                "ROLLQ_LOG_FORMAT": "json"}
-        start_roles(processes, options, inference, env)
-        metrics = out / "metrics.jsonl"
-        trainer = trainer_argv(options, model, inference, out / "trainer", metrics)
-        trainer_process = processes.start("trainer", trainer, env)
-        _follow(options, processes, trainer_process, client, metrics, say)
+        with _sums_evaluation(options, inference, out, say) as evaluation:
+            start_roles(processes, options, inference, env)
+            metrics = out / "metrics.jsonl"
+            trainer = trainer_argv(options, model, inference, out / "trainer", metrics)
+            trainer_process = processes.start("trainer", trainer, env)
+            _follow(options, processes, trainer_process, client, metrics, say, evaluation)
+            if evaluation is not None:
+                evaluation.final(_policy_version(client, options.run))
+                evals = evaluation.rows
         steps = _read_metrics(metrics)
         drops = _drops(client, options.run)
         client.close()
@@ -204,29 +244,118 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             vllm.stop()
         if embedded_redis is not None:
             embedded_redis.stop()
-    result = DemoResult(steps=steps, wall_s=time.monotonic() - started, out=out, drops=drops)
-    if steps:
-        title = "rollq demo: digit-fraction reward" + (" (flipped advantages)"
-                                                       if options.flip_advantages else "")
-        result.plot = plot_rewards(steps, out / "reward.png", title)
+    result = DemoResult(steps=steps, wall_s=time.monotonic() - started, out=out, drops=drops,
+                        evals=evals, warm_start=warm)
+    flipped = " (flipped advantages)" if options.flip_advantages else ""
+    if steps and options.task == "sums":
+        result.plot = plot_learning(steps, evals, out / "learning.png",
+                                    "rollq demo --task sums: single-digit sums" + flipped)
+    elif steps:
+        result.plot = plot_rewards(steps, out / "reward.png",
+                                   "rollq demo: digit-fraction reward" + flipped)
     _write_summary(result, options)
     return result
+
+
+def _write_model(options: DemoOptions, out: Path,
+                 say: Callable[[str], None]) -> tuple[Path, dict[str, Any] | None]:
+    """The tiny model (``digits``), or the tiny model warm-started on the format (``sums``;
+    reused when ``out`` already holds one)."""
+    from ops.tiny_model import write_tiny_model
+
+    tiny = out / "tiny-model"
+    if options.task != "sums":
+        write_tiny_model(tiny, seed=0)
+        say(f"model: wrote the tiny Qwen2 model to {tiny}")
+        return tiny, None
+    from ops.warm_start import WarmStartOptions, describe, load_report, warm_start
+
+    warmed = out / "sums-model"
+    report = load_report(warmed)
+    if report is None:
+        write_tiny_model(tiny, seed=0)
+        say(f"model: wrote the tiny Qwen2 model; warm-starting it on the answer format "
+            f"with random answers ({options.warm_start_steps} steps)...")
+        report = warm_start(tiny, warmed, WarmStartOptions(steps=options.warm_start_steps,
+                                                           seed=options.seed))
+    say(describe(report))
+    return warmed, asdict(report)
+
+
+class SumsEvaluation:
+    """The demo's evaluations of the served policy on the sums problems (``ops.evaluate``)."""
+
+    def __init__(self, evaluator: Any, problems: dict[str, Any], every: int,
+                 path: Path, say: Callable[[str], None]) -> None:
+        self.evaluator, self.problems, self.every = evaluator, problems, every
+        self.path, self.say = path, say
+        self.rows: list[dict[str, Any]] = []
+
+    def run(self, step: int) -> None:
+        """Evaluate now and record it as ``step``, the policy version in force (a reload
+        may land during the evaluation, so some answers may come from ``step + 1``)."""
+        started = time.time()
+        row: dict[str, Any] = {"step": step, "time": started}
+        for split, problems in self.problems.items():
+            for name, value in self.evaluator.evaluate(problems).items():
+                row[f"{split}_{name}"] = value
+        row["eval_s"] = round(time.time() - started, 3)
+        self.rows.append(row)
+        with self.path.open("a") as log:
+            log.write(json.dumps(row) + "\n")
+        self.say(f"eval at step {step:>4}: train accuracy {row['train_accuracy']:.3f}  "
+                 f"held-out {row['heldout_accuracy']:.3f}  format {row['train_format']:.3f}")
+
+    def due(self, step: int) -> bool:
+        last = self.rows[-1]["step"] if self.rows else -1
+        return step // self.every > last // self.every
+
+    def final(self, version: int | None) -> None:
+        if version is not None and (not self.rows or self.rows[-1]["step"] < version):
+            self.run(version)
+
+
+@contextlib.contextmanager
+def _sums_evaluation(options: DemoOptions, inference: str, out: Path,
+                     say: Callable[[str], None]) -> Iterator[SumsEvaluation | None]:
+    if options.task != "sums":
+        yield None
+        return
+    from consumers.scorer import RewardConfig
+    from ops.evaluate import Evaluator
+    from producers.envs.sums import sums_env
+
+    config = RewardConfig.from_yaml(SUMS_REWARD)
+    with Evaluator(inference, _served_model(inference), config,
+                   max_tokens=options.max_tokens) as evaluator:
+        problems = {split: evaluator.problems(sums_env(split=split))
+                    for split in ("train", "heldout")}
+        yield SumsEvaluation(evaluator, problems, options.eval_every, out / "evals.jsonl", say)
+
+
+def _served_model(url: str) -> str:
+    response = httpx.get(f"{url}/v1/models", timeout=30)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
 
 
 def start_roles(processes: Processes, options: DemoOptions, inference: str,
                 env: dict[str, str]) -> None:
     """Start the scorer, a worker pool and the feeder for ``options.run``."""
-    reward = processes.logs.parent / "reward.yaml"
-    reward.write_text(DEMO_REWARD)
+    if options.task == "sums":
+        reward, task_env = SUMS_REWARD, "sums"
+    else:
+        reward, task_env = processes.logs.parent / "reward.yaml", "gsm8k"
+        reward.write_text(DEMO_REWARD)
     python = sys.executable
     processes.start("scorer", [python, "-m", "ops.cli", "score", "--reward-config",
                                str(reward), "--processes", "1"], env)
     processes.start("workers", [
-        python, "-m", "ops.cli", "workers", "--env", "gsm8k", "--inference", inference,
+        python, "-m", "ops.cli", "workers", "--env", task_env, "--inference", inference,
         "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
         "--concurrency", str(options.batch_groups)], env)
     processes.start("feeder", [
-        python, "-m", "ops.cli", "feed", "--env", "gsm8k", "--epochs", "1000",
+        python, "-m", "ops.cli", "feed", "--env", task_env, "--epochs", "100000",
         "--max-staleness", str(options.max_staleness),
         "--batch-groups", str(options.batch_groups)], env)
 
@@ -237,12 +366,18 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
     argv = [sys.executable, str(EXAMPLE_TRAINER), "--model", str(model),
             "--inference", inference, "--out", str(out), "--steps", str(options.steps),
             "--batch-groups", str(options.batch_groups), "--lr", str(options.lr),
-            "--max-staleness", str(options.max_staleness), "--metrics", str(metrics)]
+            "--max-staleness", str(options.max_staleness), "--metrics", str(metrics),
+            "--seed", str(options.seed)]
+    if options.kl_coef:
+        argv += ["--kl-coef", str(options.kl_coef)]
+    if options.torch_threads:
+        argv += ["--torch-threads", str(options.torch_threads)]
     return argv + (["--flip-advantages"] if options.flip_advantages else [])
 
 
 def _follow(options: DemoOptions, processes: Processes, trainer: subprocess.Popen[bytes],
-            client: redis.Redis, metrics: Path, say: Callable[[str], None]) -> None:
+            client: redis.Redis, metrics: Path, say: Callable[[str], None],
+            evaluation: SumsEvaluation | None = None) -> None:
     shown, last_progress = 0, time.monotonic()
     first_reward: float | None = None
     while True:
@@ -257,12 +392,23 @@ def _follow(options: DemoOptions, processes: Processes, trainer: subprocess.Pope
                 f"staleness {row['staleness']}  {tokens_per_s:,.0f} trained tok/s")
             last_progress = time.monotonic()
         shown = len(steps)
+        # The first evaluation waits for the trainer's first publish (version 0: its
+        # starting weights), since a reused server may still serve another run's.
+        version = _policy_version(client, options.run) if evaluation is not None else None
+        if evaluation is not None and version is not None and evaluation.due(version):
+            evaluation.run(version)
+            last_progress = time.monotonic()
         if trainer.poll() == 0:
             return
         if time.monotonic() - last_progress > options.step_timeout_s:
             raise RuntimeError(f"no trainer step for {options.step_timeout_s:.0f}s; "
                                f"see the logs in {processes.logs}")
-        time.sleep(0.5)
+        time.sleep(0.2)
+
+
+def _policy_version(client: redis.Redis, run: str) -> int | None:
+    value = client.hget(state_key(run), POLICY_VERSION_FIELD)
+    return None if value is None else int(value)  # type: ignore[arg-type]
 
 
 def _drops(client: redis.Redis, run: str) -> dict[str, int]:
@@ -270,8 +416,80 @@ def _drops(client: redis.Redis, run: str) -> dict[str, int]:
     return {k.decode()[5:]: int(v) for k, v in counters.items() if k.startswith(b"drop:")}
 
 
+def learning_curves(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``sums`` curves from the trainer's metrics rows and the evaluation rows.
+
+    Time is RL time: seconds since the first trainer step began (evaluations before it at 0).
+    ``format`` and ``batch_accuracy`` are per step, over the batch's sampled completions;
+    ``train_accuracy`` and ``heldout_accuracy`` are greedy, per evaluation.
+    """
+    if not steps:
+        return {}
+    began = steps[0]["time"] - steps[0]["seconds"]
+
+    def component(row: dict[str, Any], name: str) -> float | None:
+        value = row.get("components", {}).get(name)
+        return None if value is None else round(float(value), 4)
+
+    formats = [component(r, "format") for r in steps]
+    curves: dict[str, Any] = {
+        "steps": {"step": [r["step"] for r in steps],
+                  "seconds": [round(r["time"] - began, 2) for r in steps],
+                  "format": formats,
+                  "batch_accuracy": [component(r, "accuracy") for r in steps],
+                  "kl": [r.get("kl") for r in steps]},
+        "evals": {"step": [e["step"] for e in evals],
+                  "seconds": [round(max(0.0, e["time"] - began), 2) for e in evals],
+                  "train_accuracy": [e["train_accuracy"] for e in evals],
+                  "heldout_accuracy": [e["heldout_accuracy"] for e in evals],
+                  "train_format": [e["train_format"] for e in evals]},
+        "steps_per_s": round(len(steps) / max(1e-9, steps[-1]["time"] - began), 4),
+        "format_min": min((f for f in formats if f is not None), default=None),
+        "train_accuracy_first": evals[0]["train_accuracy"] if evals else None,
+        "heldout_accuracy_first": evals[0]["heldout_accuracy"] if evals else None,
+        "train_accuracy_final": evals[-1]["train_accuracy"] if evals else None,
+        "heldout_accuracy_final": evals[-1]["heldout_accuracy"] if evals else None,
+    }
+    reached = [e for e in evals if e["train_accuracy"] >= 0.9]
+    curves["seconds_to_train_accuracy_0_9"] = (
+        round(max(0.0, reached[0]["time"] - began), 1) if reached else None)
+    return curves
+
+
+def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path,
+                  title: str) -> Path:
+    """Format reward and batch accuracy per step, evaluated accuracies, chance: one plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from producers.envs.sums import CHANCE
+
+    curves = learning_curves(steps, evals)
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    axis.plot(curves["steps"]["step"], curves["steps"]["format"], color="tab:gray",
+              linewidth=1, label="format reward (batch)")
+    axis.plot(curves["steps"]["step"], curves["steps"]["batch_accuracy"], color="tab:blue",
+              alpha=0.35, linewidth=1, label="accuracy, sampled (batch)")
+    axis.plot(curves["evals"]["step"], curves["evals"]["train_accuracy"], color="tab:blue",
+              marker="o", label="accuracy, 80 training problems (greedy)")
+    axis.plot(curves["evals"]["step"], curves["evals"]["heldout_accuracy"], color="tab:orange",
+              marker="s", label="accuracy, 20 held-out problems (greedy)")
+    axis.axhline(CHANCE, color="tab:red", linestyle=":", label="chance (1/19)")
+    axis.set_xlabel("trainer step")
+    axis.set_ylim(-0.02, 1.05)
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="center right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
 def _write_summary(result: DemoResult, options: DemoOptions) -> None:
-    summary = {
+    summary: dict[str, Any] = {
         "steps": len(result.steps),
         "reward_first_5": result.reward_at(first=True) if result.steps else None,
         "reward_last_5": result.reward_at(first=False) if result.steps else None,
@@ -282,6 +500,11 @@ def _write_summary(result: DemoResult, options: DemoOptions) -> None:
         "plot": str(result.plot) if result.plot else None,
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
     }
+    if options.task == "sums":
+        curves = learning_curves(result.steps, result.evals)
+        summary = {"task": "sums", **{k: v for k, v in curves.items() if not isinstance(v, dict)},
+                   **summary, "warm_start": result.warm_start,
+                   "curves": {"steps": curves.get("steps"), "evals": curves.get("evals")}}
     (result.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
@@ -292,6 +515,12 @@ def print_summary(result: DemoResult, stream: TextIO = sys.stdout) -> None:
     print(f"\nreward: first 5 steps {result.reward_at(True):.3f} -> last 5 steps "
           f"{result.reward_at(False):.3f} over {len(result.steps)} steps in "
           f"{result.wall_s:.0f}s", file=stream)
+    if result.evals:
+        first, last = result.evals[0], result.evals[-1]
+        print(f"accuracy (greedy): training problems {first['train_accuracy']:.3f} -> "
+              f"{last['train_accuracy']:.3f}, held-out {first['heldout_accuracy']:.3f} -> "
+              f"{last['heldout_accuracy']:.3f} (step {first['step']} -> {last['step']})",
+              file=stream)
     print(f"plot: {result.plot}\nsummary: {result.out / 'summary.json'}", file=stream)
 
 

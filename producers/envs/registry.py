@@ -6,6 +6,8 @@ Built-in names:
   (``producers/data/gsm8k_sample.jsonl``, 200 arithmetic word problems).
 - ``math``: MATH-style dataset env; ``source`` is required.
 - ``guess``: the number-guessing game (``producers.envs.guess``) as an ``EpisodeEnv``.
+- ``sums``: single-digit sums (``producers.envs.sums``); ``split`` is ``train`` (default),
+  ``heldout`` or ``all``; ``source`` defaults to the shipped ``sums.jsonl``.
 
 Dataset envs take ``source``, ``split``, ``subset``, ``data_files``, ``mode`` (``chat`` or
 ``completion``), ``template``, ``system_prompt``. ``guess`` takes ``low``, ``high``,
@@ -27,6 +29,7 @@ from producers.envs.base import Env
 from producers.envs.dataset import PromptStyle, gsm8k_env, math_env
 from producers.envs.guess import GuessGame
 from producers.envs.multiturn import EpisodeEnv, EpisodeRunner
+from producers.envs.sums import sums_env
 from schemas import ConfigError
 
 _STYLE_OPTIONS = ("mode", "template", "system_prompt")
@@ -57,10 +60,16 @@ def _guess(*, low: int = 1, high: int = 16, max_guesses: int = 6, size: int = 10
                       size=size, first_seed=first_seed, runner=runner)
 
 
+def _sums(**options: Any) -> Env:
+    style = PromptStyle(**{key: options.pop(key) for key in _STYLE_OPTIONS if key in options})
+    return sums_env(style=style, **options)
+
+
 BUILTIN: dict[str, Callable[..., Env]] = {
     "gsm8k": _dataset(gsm8k_env, None),
     "math": _dataset(math_env, None),
     "guess": _guess,
+    "sums": _sums,
 }
 
 
