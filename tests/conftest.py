@@ -14,7 +14,9 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
+from tests.redis_cluster import RedisCluster
 from tests.redis_server import RedisServer
+from tests.redis_tls import TlsRedis
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +46,32 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]
     await client.aclose()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A real local Redis Cluster (3 masters + 3 replicas), shared by the session's tests;
+    a test that kills a node uses ``fresh_redis_cluster``."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def fresh_redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A cluster of the test's own, to kill nodes in."""
+    cluster = RedisCluster(tmp_path / "cluster").start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
+    """A real redis-server speaking only TLS, with a CA made for the session and ACL users
+    (``tls_redis.acl(user, password, *rules)``)."""
+    server = TlsRedis(tmp_path_factory.mktemp("tls")).start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture
 def make_redis_server(tmp_path: Path) -> Iterator[type[RedisServer]]:
     """Start extra servers (e.g. with AOF, to restart them); all are stopped after the test."""
@@ -66,12 +94,27 @@ _TIER_OF: dict[str, str] = {}
 _TIER_OUTCOMES: dict[str, dict[str, int]] = {}
 
 
+_CLUSTER_FIXTURES = frozenset({"redis_cluster", "fresh_redis_cluster"})
+_TLS_FIXTURES = frozenset({"tls_redis"})
+TIERS = {
+    "fakeredis": "",
+    "real redis-server": " (a server this test session started)",
+    "redis cluster": " (3 masters + 3 replicas this test session started)",
+    "redis tls": " (a TLS-only server with a test CA and ACL users)",
+}
+
+
 def _tier(item: pytest.Item) -> str | None:
     callspec = getattr(item, "callspec", None)
     param = callspec.params.get("redis") if callspec is not None else None
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if _CLUSTER_FIXTURES & fixtures:
+        return "redis cluster"
+    if _TLS_FIXTURES & fixtures:
+        return "redis tls"
     if param == "fake":
         return "fakeredis"
-    if param == "real" or _REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+    if param == "real" or _REAL_FIXTURES & fixtures:
         return "real redis-server"
     return None
 
@@ -94,8 +137,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line per Redis tier, so CI output shows that the real-server tests ran."""
-    for tier in ("fakeredis", "real redis-server"):
+    for tier, where in TIERS.items():
         outcomes = _TIER_OUTCOMES.get(tier, {})
         counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
-        where = " (a server this test session started)" if tier != "fakeredis" else ""
         terminalreporter.write_line(f"redis tier {tier}{where}: {counts or 'no tests ran'}")
