@@ -51,6 +51,9 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         "JSON unless stderr is a terminal]")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="[ROLLQ_LOG_LEVEL, info]; debug also prints tracebacks")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="long-running roles serve Prometheus /metrics here "
+                        "[ROLLQ_METRICS_PORT, off; 0: any free port]; the 'metrics' extra")
 
 
 def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str, str],
@@ -66,7 +69,8 @@ def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str,
         overrides={"redis_url": getattr(args, "redis_url", None),
                    "run": getattr(args, "run", None),
                    "log_format": getattr(args, "log_format", None),
-                   "log_level": getattr(args, "log_level", None), **overrides},
+                   "log_level": getattr(args, "log_level", None),
+                   "metrics_port": getattr(args, "metrics_port", None), **overrides},
     )
     configure_logging(settings.log_format, settings.log_level)
     args.settings = settings

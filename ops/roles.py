@@ -7,13 +7,15 @@ SIGINT/SIGTERM at the CLI edge) or its work is done, and closes everything on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 import structlog
@@ -24,7 +26,13 @@ from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
 from ops.looplag import LoopLagMonitor
-from ops.settings import FeederSettings, ReaderTuning, ScorerSettings, WorkerSettings
+from ops.settings import (
+    CommonSettings,
+    FeederSettings,
+    ReaderTuning,
+    ScorerSettings,
+    WorkerSettings,
+)
 from producers.envs.base import Env
 from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
@@ -33,6 +41,9 @@ from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
 from schemas.outage import OutageRider
+
+if TYPE_CHECKING:
+    from ops.metrics import RoleMetrics
 
 log = structlog.get_logger("rollq.roles")
 
@@ -116,7 +127,8 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                     await trim_streams(redis, [*reader.streams, *stream_keys(
                         settings.run, partitions, "scored")], int(settings.retention_s * 1000))
 
-            async with LoopLagMonitor("scorer"):
+            async with LoopLagMonitor("scorer") as lag, serve_metrics(
+                    settings, "scorer", lag, stage_metrics(stage)):
                 while not stop.is_set():
                     outages = rider.outages
                     await rider.call(step)
@@ -127,6 +139,41 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
             return stage
     finally:
         await redis.aclose()
+
+
+def stage_metrics(stage: Stage) -> Callable[[RoleMetrics], None]:
+    """Register a stage's outcome counts with a role's metrics."""
+
+    def register(metrics: RoleMetrics) -> None:
+        for outcome in ("forwarded", "dropped", "dead_lettered", "left_pending"):
+            metrics.add_counter("rollq_stage_entries", "Entries this process handled, by "
+                                "outcome (left_pending: failures left for a retry)",
+                                lambda outcome=outcome: getattr(stage, outcome),
+                                outcome=outcome)
+
+    return register
+
+
+@contextlib.asynccontextmanager
+async def serve_metrics(settings: CommonSettings, role: str, lag: LoopLagMonitor,
+                        *extra: Callable[[RoleMetrics], None]) -> AsyncIterator[None]:
+    """Serve the role's ``/metrics`` while the block runs, when ``metrics_port`` is set."""
+    if settings.metrics_port is None:
+        yield
+        return
+    from ops.metrics import RoleMetrics
+
+    metrics = RoleMetrics(role, run=settings.run, redis_url=settings.redis_url)
+    metrics.add_gauge("rollq_event_loop_lag_seconds", "p99 event-loop lag over the recent "
+                      "window", lambda: lag.snapshot().p99_ms / 1000)
+    for register in extra:
+        register(metrics)
+    port = await asyncio.to_thread(metrics.serve, settings.metrics_port)
+    log.info("metrics_serving", role=role, port=port)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(metrics.close)
 
 
 async def own_pending(reader: StreamReader, stage: Stage) -> None:

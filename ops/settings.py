@@ -46,6 +46,9 @@ class CommonSettings(BaseModel):
     log_format: Literal["auto", "json", "console"] = "auto"
     """``auto``: console in a terminal, JSON otherwise."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve Prometheus ``/metrics`` on this port (0: any free port, logged); None: off.
+    Needs the ``metrics`` extra."""
     redis_give_up_s: float = Field(default=300.0, ge=0)
     """How long a running role rides out a Redis outage (seconds of continuous failure)
     before it exits with 69; at start-up Redis must answer at once."""
