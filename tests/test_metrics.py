@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ from tests.factories import make_group
 from tests.redis_server import RedisServer
 
 RUN = "metrics"
+DASHBOARD = Path(__file__).resolve().parent.parent / "ops/monitoring/grafana/dashboards/rollq.json"
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -70,6 +73,18 @@ async def test_scorer_metrics_count_what_happened(real_redis: aioredis.Redis,
     assert value(found, "rollq_reward_component_mean", component="length") > 0
     assert value(found, "rollq_event_loop_lag_seconds", role="scorer") >= 0
     assert value(found, "process_resident_memory_bytes") > 0
+    # The provisioned dashboard only queries series that a role really serves.
+    exposed = {name for name, _ in found}
+    queried = set(re.findall(r"\b((?:rollq|process)_[a-z_]+)", DASHBOARD.read_text()))
+    assert queried and queried <= exposed, queried - exposed
+
+
+def test_dashboard_is_valid_grafana_json() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "rollq" and dashboard["panels"]
+    for panel in dashboard["panels"]:
+        assert panel["targets"] and all(t["expr"] for t in panel["targets"])
+    assert {"run"} == {v["name"] for v in dashboard["templating"]["list"]}
 
 
 @pytest.mark.parametrize("port", [None])
