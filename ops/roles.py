@@ -15,9 +15,10 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 import structlog
 
 from consumers.bus import ReaderSettings, StreamReader, trim_streams
@@ -39,6 +40,7 @@ from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
+from schemas import BrokerUnavailable
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
 from schemas.outage import OutageRider
 
@@ -190,7 +192,13 @@ def env_factory(name: str, options: dict[str, object]) -> Callable[[], Env]:
 
 async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                       transport: object = None) -> None:
-    """Run an arq worker pool for the run's rollout jobs."""
+    """Run an arq worker pool for the run's rollout jobs.
+
+    SIGINT/SIGTERM stop it gracefully: no new job is taken, jobs in hand get the grace
+    period to finish, and the rest are cancelled, which puts them back in the queue (arq
+    re-runs a cancelled job). A Redis outage is ridden out (``OutageRider``): the pool
+    starts polling again once Redis answers.
+    """
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                               max_tokens=settings.max_tokens)
     worker = build_worker(
@@ -202,10 +210,50 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
         burst=burst, transport=transport,
     )
+    stopping = asyncio.Event()
+    if not burst:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, _stop_worker, worker, stopping, sig)
+    rider = OutageRider(give_up_s=settings.redis_give_up_s, what="workers", log=log)
+    probe = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
     try:
-        await worker.main()
+        await _ping(probe)  # at start-up Redis must answer at once (exit 69 otherwise)
+        async with LoopLagMonitor("workers"):
+            while True:
+                try:
+                    await worker.async_run()
+                    return  # a burst emptied the queue
+                except asyncio.CancelledError:
+                    if stopping.is_set():
+                        log.info("workers_stopped", jobs_complete=worker.jobs_complete,
+                                 jobs_retried=worker.jobs_retried)
+                        return
+                    raise
+                except (redis_errors.ConnectionError, redis_errors.TimeoutError,
+                        OSError) as exc:
+                    await rider.failed(BrokerUnavailable(f"redis unavailable: {exc}"))
+                    await rider.call(lambda: _ping(probe))
     finally:
-        await worker.close()
+        with contextlib.suppress(redis_errors.ConnectionError, redis_errors.TimeoutError,
+                                 OSError):
+            await worker.close()
+        await probe.aclose()
+
+
+def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals) -> None:
+    if stopping.is_set():
+        return
+    stopping.set()
+    log.info("workers_stopping", signal=sig.name)
+    worker.handle_sig_wait_for_completion(sig)
+
+
+async def _ping(redis: aioredis.Redis) -> None:
+    try:
+        await redis.ping()
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise BrokerUnavailable(f"redis unavailable: {exc}") from exc
 
 
 async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
@@ -223,7 +271,10 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
 
         log.info("feeder_started", run=settings.run, env=env.name, items=len(env),
                  epochs=settings.epochs)
-        await Feeder(redis, settings.run, plan, enqueue).run_until(stop, settings.poll_s)
+        rider = OutageRider(give_up_s=settings.redis_give_up_s, what="feeder", log=log)
+        async with LoopLagMonitor("feeder"):
+            await Feeder(redis, settings.run, plan, enqueue).run_until(stop, settings.poll_s,
+                                                                       rider)
     finally:
         await queue.aclose()
         await redis.aclose()

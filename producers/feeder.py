@@ -2,34 +2,68 @@
 
 Every ``poll_s`` it reads the trainer's policy version and the run's counters, asks
 ``admit`` how many jobs may start, and enqueues that many from the dataset cursor. The
-cursor (``position``: epoch × dataset length + item index) and the ``admitted`` count are
-kept in Redis and advanced together in one MULTI, after the enqueue. If the feeder dies
-between the two, the restarted feeder enqueues the same position again, which arq refuses
-(same job id): items are neither skipped nor repeated.
+cursor (``position``: epoch × dataset length + item index) and the ``admitted`` count live
+in the run's state hash.
+
+Any number of feeders may run (standbys for availability); they are safe because:
+
+- **A lease serialises them.** A feeder admits only while it holds the run's feeder lease
+  (``SET NX PX`` with a random token, released by a compare-and-delete script), so two
+  feeders never read the same budget and both spend it. A feeder that dies holding it
+  blocks the others for at most ``lease_s``.
+- **Every step is idempotent, so even two holders at once stay correct** (a holder that
+  stalls past its lease): a position is enqueued first, under its deterministic arq job id
+  (arq refuses an id it already holds, so the job exists once whoever enqueued it), then
+  one script commits it: only the first commit of a position (cursor still at or below it)
+  counts it in ``admitted`` and moves the cursor past it. A feeder that dies between the
+  enqueue and the commit leaves the cursor at that position: the next feeder's enqueue is
+  refused (the job is there), and its commit counts the job once. No position is skipped,
+  none is counted twice, and ``admitted`` equals the jobs in arq's queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 import structlog
 
 from producers.admission import admit, outstanding
+from schemas import BrokerUnavailable
 from schemas.keys import (
     ADMITTED_FIELD,
     PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
     counters_key,
+    run_key,
     state_key,
 )
+from schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.feeder")
 CURSOR_FIELD = "cursor"
 
 Enqueue = Callable[[int], Awaitable[bool]]
+
+# KEYS[1] state hash; ARGV[1] a position whose job is in arq's queue now. The first commit
+# of a position counts it and moves the cursor past it; any later one changes nothing.
+_COMMIT = """
+local cursor = tonumber(redis.call('HGET', KEYS[1], 'cursor') or '0')
+local position = tonumber(ARGV[1])
+if position < cursor then return 0 end
+redis.call('HINCRBY', KEYS[1], 'admitted', 1)
+redis.call('HSET', KEYS[1], 'cursor', position + 1)
+return 1
+"""
+# KEYS[1] lease; ARGV[1] token. Deletes the lease only if this feeder still holds it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 
 
 @dataclass(frozen=True)
@@ -60,14 +94,24 @@ class FeedState:
 class Feeder:
     """Enqueues rollout jobs of one run while the admission budget allows."""
 
-    def __init__(self, redis: aioredis.Redis, run: str, plan: FeedPlan, enqueue: Enqueue) -> None:
+    def __init__(self, redis: aioredis.Redis, run: str, plan: FeedPlan, enqueue: Enqueue,
+                 *, lease_s: float = 30.0) -> None:
         self.redis = redis
         self.run = run
         self.plan = plan
         self.enqueue = enqueue
+        self.lease_s = lease_s
+        self.lease_key = run_key(run, "feeder:lease")
+        self._token = secrets.token_hex(8)
+        self._commit = redis.register_script(_COMMIT)
+        self._release = redis.register_script(_RELEASE)
+
+    @property
+    def key(self) -> str:
+        return state_key(self.run)
 
     async def read_state(self) -> FeedState:
-        state = await self.redis.hgetall(state_key(self.run))
+        state = await self.redis.hgetall(self.key)
         partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
         counters: dict[str, int] = {}
         for p in range(partitions):
@@ -82,37 +126,50 @@ class Feeder:
         )
 
     async def feed_once(self) -> int:
-        """Admit as many jobs as the budget allows now; returns how many were admitted."""
-        state = await self.read_state()
-        budget = state.budget(self.plan)
-        for offset in range(budget):
-            position = state.cursor + offset
-            fresh = await self.enqueue(position)
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(state_key(self.run), CURSOR_FIELD, str(position + 1))
-            pipe.hincrby(state_key(self.run), ADMITTED_FIELD, 1)
-            await pipe.execute()
-            if not fresh:
-                log.info("job_already_enqueued", position=position)
+        """Admit as many jobs as the budget allows now, if this feeder gets the lease;
+        returns how many it admitted."""
+        try:
+            return await self._feed_once()
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"redis unavailable while admitting jobs: {exc}") from exc
+
+    async def _feed_once(self) -> int:
+        if not await self.redis.set(self.lease_key, self._token, nx=True,
+                                    px=int(self.lease_s * 1000)):
+            return 0  # another feeder admits now: this one is a standby
+        try:
+            state = await self.read_state()
+            budget = state.budget(self.plan)
+            created = 0
+            for position in range(state.cursor, state.cursor + budget):
+                fresh = await self.enqueue(position)
+                created += int(await self._commit(keys=[self.key], args=[position]))
+                if not fresh:
+                    log.info("job_already_enqueued", position=position)
+        finally:
+            await self._release(keys=[self.lease_key], args=[self._token])
         if budget:
-            log.info("jobs_admitted", count=budget, cursor=state.cursor + budget,
+            log.info("jobs_admitted", count=created, cursor=state.cursor + budget,
                      policy_version=state.version, consumed=state.consumed,
                      outstanding=state.outstanding)
-        return budget
-
-    @property
-    def key(self) -> str:
-        return state_key(self.run)
+        return created
 
     async def finished(self) -> bool:
-        cursor = await self.redis.hget(self.key, CURSOR_FIELD)
+        try:
+            cursor = await self.redis.hget(self.key, CURSOR_FIELD)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"redis unavailable while reading the cursor: {exc}") \
+                from exc
         return int(cursor or 0) >= self.plan.total
 
-    async def run_until(self, stop: asyncio.Event, poll_s: float) -> None:
-        """Feed until the dataset's epochs are all admitted or ``stop`` is set."""
+    async def run_until(self, stop: asyncio.Event, poll_s: float,
+                        rider: OutageRider | None = None) -> None:
+        """Feed until the dataset's epochs are all admitted or ``stop`` is set; Redis
+        outages are ridden out by ``rider`` (default: fail at once)."""
+        rider = rider or OutageRider(give_up_s=0.0, what="feeder", log=log)
         while not stop.is_set():
-            await self.feed_once()
-            if await self.finished():
+            await rider.call(self.feed_once)
+            if await rider.call(self.finished):
                 log.info("feeder_finished", total=self.plan.total)
                 return
             try:

@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 import structlog
 
 from producers.envs.base import Env
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
-from schemas import TrajectoryGroup
+from schemas import BrokerUnavailable, TrajectoryGroup
 from schemas.keys import POLICY_VERSION_FIELD, state_key
 
 log = structlog.get_logger("rollq.rollout")
@@ -31,7 +32,11 @@ class PolicyVersionSource:
         self.key = state_key(run)
 
     async def __call__(self) -> int:
-        raw = await self.redis.hget(self.key, POLICY_VERSION_FIELD)
+        try:
+            raw = await self.redis.hget(self.key, POLICY_VERSION_FIELD)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise BrokerUnavailable(f"redis unavailable while reading the policy version: "
+                                    f"{exc}") from exc
         return int(raw) if raw is not None else 0
 
 

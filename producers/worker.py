@@ -1,23 +1,35 @@
 """The arq worker pool: the only module that knows arq.
 
 One arq job = one group for one dataset item of one env. arq gives concurrency
-(``max_jobs``), job timeouts, retries with back-off, re-runs of jobs whose worker died
-(after the job timeout), and a health key. Jobs travel as msgpack, never pickle.
+(``max_jobs``), retries with back-off, re-runs of jobs whose worker died (after the job
+timeout), and a health key. Jobs travel as msgpack, never pickle.
 
 The job id is ``<run>:<env>:<position>``: enqueueing the same position twice is a no-op
 (arq refuses a job id it already holds), and a re-run publishes the same ``group_id``.
 
-What happens when a job fails:
-- ``TransientError`` (inference or Redis unavailable): retried with exponential back-off
-  up to ``max_tries``;
-- ``ContractError`` (e.g. the prompt is too long for the model): retrying cannot help, so
-  the failure is published as a dead letter at once;
-- after the last try, any error is published as a dead letter with the reason. Either
-  way the failure is counted, and the admission budget frees the job's slot.
+Every try of a job ends in exactly one of (``schemas.failures.decide``, with
+``retry_unexpected`` on: an env may be flaky):
+
+- **done**: the group is published;
+- **retry**: a transient failure (inference or Redis unavailable, the try ran past the job
+  timeout) or any unexpected exception while tries remain: ``arq.Retry`` with exponential
+  back-off, so arq really runs it again;
+- **dead letter**: a contract failure at once, anything else on the last try:
+  ``Publisher.publish_failure`` writes the dead letter and counts ``drop:<reason>`` in one
+  MULTI, which frees the job's admission slot. ``rollq dead requeue`` re-enqueues it.
+
+Why no job can vanish in arq's result store (arq records a job as failed, never to run
+again, when the job raises anything but ``Retry``, when it exceeds arq's own timeout, or
+when its try count exceeds arq's ``max_tries``): the job body catches every exception;
+it enforces the job timeout itself, ``TIMEOUT_MARGIN_S`` before arq's; and arq's
+``max_tries`` is set ``EXTRA_TRIES`` above rollq's, so a try that arq starts after the
+worker of the last allowed try was killed (SIGKILL, OOM) still reaches the body, which
+then dead-letters the job (``job_timeout``) without running it again.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -26,13 +38,14 @@ import redis.asyncio as aioredis
 import structlog
 from arq import Retry
 from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.constants import job_key_prefix, result_key_prefix, retry_key_prefix
 from arq.worker import Worker, func
 
 from producers.envs.base import Env
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
 from producers.rollout import PolicyVersionSource, RolloutRunner
-from schemas import ContractError, TransientError
+from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
 from schemas.keys import run_key
 
 log = structlog.get_logger("rollq.worker")
@@ -69,37 +82,60 @@ async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int) ->
     return job is not None
 
 
+TIMEOUT_MARGIN_S = 5.0
+"""arq's own job timeout is this much longer than the one the job body enforces."""
+EXTRA_TRIES = 5
+"""arq's ``max_tries`` is this much above rollq's (see the module docstring)."""
+
+
 async def _rollout(ctx: dict[str, Any], position: int) -> str:
     runner: RolloutRunner = ctx["runner"]
     max_tries: int = ctx["max_tries"]
+    timeout_s: float = ctx["job_timeout_s"]
     group_id: str = ctx["job_id"]
     try_number: int = ctx["job_try"]
     structlog.contextvars.bind_contextvars(group_id=group_id, job_try=try_number)
     try:
-        return await runner.run_job(group_id, position)
-    except ContractError as exc:
-        await _give_up(runner, group_id, "rollout_contract_error", exc)
-        return "failed"
-    except TransientError as exc:
-        if try_number < max_tries:
-            log.warning("rollout_retried", error=str(exc))
-            raise Retry(defer=min(60.0, 2.0 ** try_number)) from exc
-        await _give_up(runner, group_id, "rollout_retries_exhausted", exc)
-        return "failed"
-    except Exception as exc:
-        if try_number < max_tries:
-            log.exception("rollout_failed")
-            raise
-        await _give_up(runner, group_id, "rollout_error", exc)
-        return "failed"
+        if try_number > max_tries:  # the worker of the last try died (killed, OOM)
+            await _give_up(runner, group_id, Verdict(
+                Action.DEAD_LETTER, JOB_TIMEOUT,
+                f"after {max_tries} tries: the last try's worker died or the try ran past "
+                f"the {timeout_s} s job timeout"))
+            return "failed"
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await runner.run_job(group_id, position)
+        except Exception as exc:
+            verdict = decide(exc, attempt=try_number, max_attempts=max_tries,
+                             retry_unexpected=True)
+            if verdict.retry:
+                defer = backoff_s(try_number)
+                log.warning("rollout_retried", reason=verdict.reason, detail=verdict.detail,
+                            defer_s=defer, servers=runner.pool.base_urls)
+                raise Retry(defer=defer) from exc
+            if classify(exc).kind is Kind.UNEXPECTED:
+                log.error("rollout_failed", exc_info=exc)
+            await _give_up(runner, group_id, verdict)
+            return "failed"
     finally:
         structlog.contextvars.unbind_contextvars("group_id", "job_try")
 
 
-async def _give_up(runner: RolloutRunner, group_id: str, reason: str, exc: Exception) -> None:
-    detail = f"{type(exc).__name__}: {exc}"
-    await runner.publisher.publish_failure(group_id, reason, detail)
-    log.error("rollout_dead_lettered", reason=reason, detail=detail)
+async def _give_up(runner: RolloutRunner, group_id: str, verdict: Verdict) -> None:
+    await runner.publisher.publish_failure(group_id, verdict.reason, verdict.detail)
+    log.error("rollout_dead_lettered", reason=verdict.reason, detail=verdict.detail)
+
+
+async def requeue_rollout(queue: ArqRedis, run: str, env: str, position: int) -> bool:
+    """Enqueue the job of ``position`` again after it was dead-lettered: arq keeps a job's
+    result (and id) for a day, which would refuse the new job, so they are removed first.
+    Returns False when the job is queued or running now (nothing to requeue)."""
+    ident = job_id(run, env, position)
+    if await queue.zscore(queue_name(run), ident) is not None:
+        return False
+    await queue.delete(*(prefix + ident for prefix in (result_key_prefix, job_key_prefix,
+                                                       retry_key_prefix)))
+    return await enqueue_rollout(queue, run, env, position)
 
 
 def build_worker(
@@ -137,6 +173,7 @@ def build_worker(
             rollq_redis=redis,
             inference=pool,
             max_tries=max_tries,
+            job_timeout_s=job_timeout_s,
             runner=RolloutRunner(run=run, env=env_factory(), pool=pool, publisher=publisher,
                                  sampling=sampling, group_size=group_size,
                                  versions=PolicyVersionSource(redis, run)),
@@ -151,14 +188,15 @@ def build_worker(
         ctx.pop("runner", None)
         log.info("worker_stopped", run=run)
 
+    arq_timeout_s = job_timeout_s + TIMEOUT_MARGIN_S  # the body times out first
     return Worker(
-        functions=[func(_rollout, name=JOB_FUNCTION, timeout=job_timeout_s,
-                        max_tries=max_tries + 1)],  # +1: our own handler gives up on the last
+        functions=[func(_rollout, name=JOB_FUNCTION, timeout=arq_timeout_s,
+                        max_tries=max_tries + EXTRA_TRIES)],
         redis_settings=RedisSettings.from_dsn(redis_url),
         queue_name=queue_name(run),
         max_jobs=concurrency,
-        job_timeout=job_timeout_s,
-        max_tries=max_tries + 1,
+        job_timeout=arq_timeout_s,
+        max_tries=max_tries + EXTRA_TRIES,
         on_startup=startup,
         on_shutdown=shutdown,
         job_serializer=_serialize,
@@ -168,7 +206,7 @@ def build_worker(
         burst=burst,
         poll_delay=poll_s,  # a finished job's slot waits up to this long for the next job
         job_completion_wait=grace_s,
-        handle_signals=not burst,
+        handle_signals=False,  # ops.roles maps SIGINT/SIGTERM to a graceful stop
         keep_result=24 * 3600,  # job ids stay known for a day: re-enqueueing is a no-op
         retry_jobs=True,
     )
