@@ -92,6 +92,7 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
     runner: RolloutRunner = ctx["runner"]
     max_tries: int = ctx["max_tries"]
     timeout_s: float = ctx["job_timeout_s"]
+    retry_base_s: float = ctx.get("retry_base_s", 1.0)
     group_id: str = ctx["job_id"]
     try_number: int = ctx["job_try"]
     structlog.contextvars.bind_contextvars(group_id=group_id, job_try=try_number)
@@ -109,7 +110,7 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
             verdict = decide(exc, attempt=try_number, max_attempts=max_tries,
                              retry_unexpected=True)
             if verdict.retry:
-                defer = backoff_s(try_number)
+                defer = backoff_s(try_number, base_s=retry_base_s)
                 log.warning("rollout_retried", reason=verdict.reason, detail=verdict.detail,
                             defer_s=defer, servers=runner.pool.base_urls)
                 raise Retry(defer=defer) from exc
@@ -155,6 +156,7 @@ def build_worker(
     burst: bool = False,
     grace_s: int = 30,
     poll_s: float = 0.02,
+    retry_base_s: float = 1.0,
     transport: Any = None,
 ) -> Worker:
     """An arq ``Worker`` that runs rollout jobs of ``run``; ``await worker.main()`` runs it,
@@ -174,6 +176,7 @@ def build_worker(
             inference=pool,
             max_tries=max_tries,
             job_timeout_s=job_timeout_s,
+            retry_base_s=retry_base_s,
             runner=RolloutRunner(run=run, env=env_factory(), pool=pool, publisher=publisher,
                                  sampling=sampling, group_size=group_size,
                                  versions=PolicyVersionSource(redis, run)),
