@@ -218,6 +218,15 @@ def _pad(rollouts: Any, scores: Any, flip: bool) -> dict[str, Any]:
             "sampler_logprobs": sampler, "advantages": advantages}
 
 
+async def serve_weights(url: str, model: Path) -> None:
+    """Load ``model`` on the server before a run: rollouts the workers start before the
+    trainer's first publish must not come from the previous run's weights."""
+    from consumers.trainer.weights import PolicyPublisher
+
+    async with PolicyPublisher([url]) as publisher:
+        await publisher.publish(0, str(model))
+
+
 # -- the session --------------------------------------------------------------------------
 
 def run_session(options: BenchOptions) -> dict[str, Any]:
@@ -234,6 +243,7 @@ def run_session(options: BenchOptions) -> dict[str, Any]:
         with BenchRedis() as redis_server:
             def demo(name: str, seed: int, steps: int, flip: bool = False) -> dict[str, Any]:
                 started = time.monotonic()
+                asyncio.run(serve_weights(vllm.url, model))
                 result = run_demo(DemoOptions.for_task(
                     "sums", out=out / name, run=name, redis_url=redis_server.url,
                     inference=vllm.url, model=model, steps=steps, seed=seed,

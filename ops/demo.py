@@ -271,13 +271,13 @@ def _write_model(options: DemoOptions, out: Path,
     from ops.warm_start import WarmStartOptions, describe, load_report, warm_start
 
     warmed = out / "sums-model"
-    report = load_report(warmed)
+    warm_options = WarmStartOptions(steps=options.warm_start_steps, seed=options.seed)
+    report = load_report(warmed, warm_options)
     if report is None:
         write_tiny_model(tiny, seed=0)
         say(f"model: wrote the tiny Qwen2 model; warm-starting it on the answer format "
             f"with random answers ({options.warm_start_steps} steps)...")
-        report = warm_start(tiny, warmed, WarmStartOptions(steps=options.warm_start_steps,
-                                                           seed=options.seed))
+        report = warm_start(tiny, warmed, warm_options)
     say(describe(report))
     return warmed, asdict(report)
 

@@ -39,11 +39,18 @@ def format_completion(a: int, b: int, answer: int) -> str:
 
 @dataclass(frozen=True)
 class WarmStartOptions:
-    """``steps`` AdamW steps of ``batch`` examples at learning rate ``lr``, seeded."""
+    """``steps`` AdamW steps of ``batch`` examples at learning rate ``lr``, seeded.
+
+    Gentle on purpose. Measured (answer-only GRPO from the warm start, lr 5e-4, KL 0.1):
+    after 300 steps at lr 3e-3 (format loss 0.015) P(correct sum) went 0.053 -> 0.069 in
+    100 RL steps; at lr 1e-3 (format loss 0.021) 0.051 -> 0.30, and greedy accuracy 0.54
+    after 150. A hard warm start makes the answer position blind to the operands, and RL
+    has to undo that first.
+    """
 
     steps: int = 300
     batch: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3
     seed: int = 0
 
 
@@ -192,12 +199,13 @@ def warm_start(model_dir: Path, out: Path, options: WarmStartOptions | None = No
     return report
 
 
-def load_report(out: Path) -> WarmStartReport | None:
-    """The report of a warm start already written to ``out``, if any."""
+def load_report(out: Path, options: WarmStartOptions | None = None) -> WarmStartReport | None:
+    """The report of a warm start already written to ``out`` with ``options``, if any."""
     path = out / "warm_start.json"
     if not path.exists() or not (out / "model.safetensors").exists():
         return None
-    return WarmStartReport(**json.loads(path.read_text()))
+    report = WarmStartReport(**json.loads(path.read_text()))
+    return report if report.options == asdict(options or WarmStartOptions()) else None
 
 
 def describe(report: WarmStartReport) -> str:

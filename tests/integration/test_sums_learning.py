@@ -1,0 +1,66 @@
+"""A reasoning-shaped task learned through rollq: ``sums`` on a real CPU vLLM server.
+
+The short CI version of ``rollq demo --task sums`` / ``bench/learning.py``: the tiny model is
+warm-started on the answer format with random answers (its accuracy must sit at chance),
+then the whole loop (real Redis, ``rollq feed/workers/score`` processes scoring with
+format + math-verify accuracy, the example trainer with a KL term) trains ``STEPS`` steps.
+The greedy accuracy on the 80 training problems must end at least ``MARGIN`` above chance
+(1/19), with the format kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from consumers.trainer.weights import PolicyPublisher
+from ops.demo import DemoOptions, learning_curves, run_demo
+from ops.stack import VllmProcess
+from ops.warm_start import WarmStartOptions, warm_start
+from producers.envs.sums import CHANCE
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 150
+MARGIN = 0.2
+"""Greedy training-problem accuracy after STEPS must reach CHANCE + MARGIN (0.25)."""
+
+
+@pytest.fixture(scope="module")
+def warm_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sums") / "sums-model"
+    report = warm_start(tiny_model, out, WarmStartOptions())
+    # What the warm start must not teach: P(correct sum | format prefix) stays at chance.
+    assert report.train_answer_probability == pytest.approx(CHANCE, abs=0.02)
+    assert report.heldout_answer_probability == pytest.approx(CHANCE, abs=0.02)
+    assert report.format_loss < 0.05
+    return out
+
+
+def test_sums_accuracy_rises_from_chance_through_rollq(
+    vllm_server: VllmProcess, redis_server: RedisServer, warm_model: Path, tiny_model: Path,
+    tmp_path: Path
+) -> None:
+    options = DemoOptions.for_task("sums", out=tmp_path / "sums", run="sums",
+                                   redis_url=redis_server.url, inference=vllm_server.url,
+                                   model=warm_model, steps=STEPS, eval_every=50)
+    try:
+        result = run_demo(options, say=lambda _: None)
+    finally:
+        asyncio.run(_publish(vllm_server.url, tiny_model))  # leave the server as it was
+    curves = learning_curves(result.steps, result.evals)
+    assert len(result.steps) == STEPS
+    assert curves["train_accuracy_first"] < CHANCE + 0.1, curves["evals"]
+    assert curves["train_accuracy_final"] >= CHANCE + MARGIN, curves["evals"]
+    assert min(curves["evals"]["train_format"]) >= 0.95
+    assert curves["format_min"] >= 0.85  # sampled at temperature 1
+    assert result.plot is not None and result.plot.stat().st_size > 0
+    assert max(step["staleness"] for step in result.steps) <= 1
+
+
+async def _publish(url: str, model: Path) -> None:
+    async with PolicyPublisher([url]) as publisher:
+        await publisher.publish(0, str(model))
