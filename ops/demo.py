@@ -445,6 +445,7 @@ def learning_curves(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) ->
                   "train_format": [e["train_format"] for e in evals]},
         "steps_per_s": round(len(steps) / max(1e-9, steps[-1]["time"] - began), 4),
         "format_min": min((f for f in formats if f is not None), default=None),
+        "format_min_10": _rolling_min(formats, 10),
         "train_accuracy_first": evals[0]["train_accuracy"] if evals else None,
         "heldout_accuracy_first": evals[0]["heldout_accuracy"] if evals else None,
         "train_accuracy_final": evals[-1]["train_accuracy"] if evals else None,
@@ -454,6 +455,13 @@ def learning_curves(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) ->
     curves["seconds_to_train_accuracy_0_9"] = (
         round(max(0.0, reached[0]["time"] - began), 1) if reached else None)
     return curves
+
+
+def _rolling_min(values: list[float | None], window: int) -> float | None:
+    """The lowest mean of ``window`` consecutive values (None values skipped)."""
+    present = [v for v in values if v is not None]
+    means = [sum(present[i:i + window]) / window for i in range(len(present) - window + 1)]
+    return round(min(means), 4) if means else None
 
 
 def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path,
@@ -481,7 +489,7 @@ def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path
     axis.set_ylim(-0.02, 1.05)
     axis.set_title(title)
     axis.grid(alpha=0.3)
-    axis.legend(loc="center right", fontsize=8)
+    axis.legend(loc="center left", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
