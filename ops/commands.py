@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from ops import dead as dead_command
 from ops import runs as runs_command
 from ops.atropos import command as atropos_command
 from ops.cli import Exit, redis_client, settings_for
@@ -317,6 +318,8 @@ COMMANDS: dict[str, Command] = {
                 _rescore_args, rescore_command),
     "status": ("show a run's streams, consumer groups, lag, pending entries and drops",
                _status_args, status),
+    "dead": ("list, show and requeue a run's dead letters", dead_command.add_arguments,
+             dead_command.command),
     "runs": ("list the runs in Redis; archive, delete or restore a finished one",
              runs_command.add_arguments, runs_command.command),
     "tail": ("follow a stream of a run live (joins no consumer group)", _tail_args, tail),
@@ -325,4 +328,4 @@ COMMANDS: dict[str, Command] = {
     "atropos-api": (atropos_command.HELP, atropos_command.add_arguments,
                     atropos_command.atropos_api),
 }
-NO_COMMON_FLAGS = {"runs", "tiny-model"}
+NO_COMMON_FLAGS = {"dead", "runs", "tiny-model"}

@@ -52,9 +52,9 @@ class FlakyEnv:
 
 
 def worker(url: str, env: FlakyEnv, fake: FakeVLLM, *, max_tries: int = 3,
-           job_timeout_s: float = 5.0, concurrency: int = 4) -> Any:
+           job_timeout_s: float = 5.0, concurrency: int = 4, run: str = RUN) -> Any:
     return build_worker(
-        redis_url=url, run=RUN, env_factory=lambda: env, inference_urls=[fake.base_url],
+        redis_url=url, run=run, env_factory=lambda: env, inference_urls=[fake.base_url],
         model=None, sampling=SamplingParams(max_tokens=8), group_size=2,
         concurrency=concurrency, job_timeout_s=job_timeout_s, max_tries=max_tries,
         request_timeout_s=5, burst=True, retry_base_s=0.01, transport=fake_transport(fake))
