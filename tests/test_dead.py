@@ -49,7 +49,8 @@ async def test_requeue_a_scoring_failure_after_fixing_the_config(
     (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
     (tmp_path / "plain.yaml").write_text(NO_GOLD)
     for i in range(3):  # no gold answer in the metadata: dead-lettered as missing field
-        await Publisher(real_redis, RUN).publish(make_group(run=RUN, group_id=f"g{i}", metadata={"q": "?"}))
+        await Publisher(real_redis, RUN).publish(
+            make_group(run=RUN, group_id=f"g{i}", metadata={"q": "?"}))
     await score(redis_server.url, tmp_path / "gold.yaml")
     dead = await letters(real_redis, RUN)
     assert [d.letter.reason for d in dead] == ["reward_missing_field"] * 3
@@ -134,7 +135,8 @@ async def test_the_cli(real_redis: aioredis.Redis, redis_server: RedisServer, tm
                        capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
     for i in range(2):
-        await Publisher(real_redis, RUN).publish(make_group(run=RUN, group_id=f"c{i}", metadata={"q": 1}))
+        await Publisher(real_redis, RUN).publish(
+            make_group(run=RUN, group_id=f"c{i}", metadata={"q": 1}))
     await score(redis_server.url, tmp_path / "gold.yaml")
     flags = ["--redis-url", redis_server.url, "--run", RUN]
     capsys.readouterr()  # the scorer's log lines
