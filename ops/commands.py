@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -45,8 +46,11 @@ def _status_args(parser: argparse.ArgumentParser) -> None:
 
 
 async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ops.roles import stop_on_signals
+
     settings: CommonSettings = settings_for(CommonSettings, args, environ)
     redis = redis_client(settings)
+    stop = stop_on_signals()
     try:
         previous = None
         # --watch rides out Redis restarts like every long-running role; one shot does not.
@@ -64,7 +68,10 @@ async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
             if not args.watch:
                 return Exit.OK
             previous = current
-            await asyncio.sleep(args.watch)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.watch)
+            if stop.is_set():
+                return Exit.OK
             print()
     finally:
         await redis.aclose()

@@ -20,6 +20,8 @@ import re
 import zlib
 from typing import Literal
 
+from schemas.errors import ConfigError
+
 StreamName = Literal["traj", "scored", "dead"]
 STREAM_NAMES: tuple[StreamName, ...] = ("traj", "scored", "dead")
 PREFIX = "rollq"
@@ -40,9 +42,10 @@ DROP_PREFIX = "drop:"  # drop:<reason>: groups removed before training, by reaso
 
 
 def check_run_name(run: str) -> str:
-    """Return ``run`` unchanged, or raise ValueError saying which characters are allowed."""
+    """Return ``run`` unchanged, or raise ``ConfigError`` (a ValueError) saying which
+    characters are allowed."""
     if not _RUN_NAME.match(run):
-        raise ValueError(
+        raise ConfigError(
             f"run name {run!r} is invalid: use 1-64 characters from A-Z a-z 0-9 _ . -"
         )
     return run

@@ -81,7 +81,12 @@ async def test_tail_follows_new_entries(real_redis: aioredis.Redis,
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo", "--count", "1",
         "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
-    await asyncio.sleep(1.5)  # let it start following at "now"
+    for _ in range(600):  # until it follows at "now": blocked in an XREAD on the server
+        if any(c.get("cmd") == "xread" for c in await real_redis.client_list()):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("rollq tail never started following")
     await Publisher(real_redis, "demo").publish(make_group(run="demo", group_id="fresh"))
     out, _ = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0

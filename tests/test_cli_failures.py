@@ -1,0 +1,121 @@
+"""Every command meets every expected failure with one line that says what to fix and the
+documented exit code, never a traceback; every long-running role stops on SIGTERM, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from ops.cli import Exit, main
+from tests.redis_server import RedisServer
+
+DOWN = "redis://127.0.0.1:1/0"
+COMMANDS = {
+    "status": ["status"],
+    "tail": ["tail", "traj", "--count", "1"],
+    "score": ["score", "--burst"],
+    "feed": ["feed"],
+    "workers": ["workers", "--burst"],
+    "rescore": ["rescore", "--reward-config", "REWARD", "--into", "other"],
+    "dead": ["dead", "list"],
+    "runs": ["runs", "list"],
+}
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str],
+             environ: dict[str, str] | None = None) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(argv, {"ROLLQ_LOG_FORMAT": "console", **(environ or {})})
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
+
+
+def argv_for(command: str, tmp_path: Path) -> list[str]:
+    reward = tmp_path / "reward.yaml"
+    reward.write_text("components:\n  - name: length\n    component: length_bounty\n")
+    return [str(reward) if a == "REWARD" else a for a in COMMANDS[command]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_redis_down_is_exit_69_naming_the_url(command: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_main([*argv_for(command, tmp_path), "--redis-url", DOWN], capsys)
+    assert code == Exit.UNAVAILABLE
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--redis-url", "127.0.0.1:6379"], "is not a Redis URL"),
+    (["--run", "bad name!"], "run name 'bad name!' is invalid"),
+    (["--config", "/nonexistent/rollq.yaml"], "cannot read config file"),
+], ids=["url-without-scheme", "bad-run-name", "missing-config"])
+def test_bad_settings_are_exit_78_naming_the_field(command: str, flags: list[str],
+                                                   needle: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_main([*argv_for(command, tmp_path), *flags], capsys)
+    assert code == Exit.CONFIG, err
+    assert needle in err
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["workers", "--burst", "--env", "nope"], "unknown env 'nope'"),
+    (["feed", "--env", "gsm8k", "--env-option", "source=/nonexistent.jsonl"], "nonexistent"),
+    (["feed", "--env-option", "oops"], "expected KEY=VALUE"),
+    (["score", "--burst", "--reward-config", "/nonexistent.yaml"], "nonexistent.yaml"),
+    (["rescore", "--reward-config", "R", "--into", "bad name"], "run name 'bad name'"),
+], ids=["unknown-env", "missing-dataset", "bad-env-option", "missing-reward-config",
+        "bad-into-run"])
+def test_bad_arguments_are_one_line_and_exit_78(argv: list[str], needle: str,
+                                                redis_server: RedisServer, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    reward = tmp_path / "r.yaml"
+    reward.write_text("components:\n  - name: length\n    component: length_bounty\n")
+    argv = [str(reward) if a == "R" else a for a in argv]
+    code, err = run_main([*argv, "--redis-url", redis_server.url], capsys)
+    assert code == Exit.CONFIG, err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_reward_config_names_the_field(redis_server: RedisServer, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    reward = tmp_path / "r.yaml"
+    reward.write_text("components:\n  - name: length\n    component: length_bounty\n"
+                      "    on_error: zero\n")
+    code, err = run_main(["score", "--burst", "--reward-config", str(reward),
+                          "--redis-url", redis_server.url], capsys)
+    assert code == Exit.CONFIG
+    assert "on_error" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("command", "started"), [
+    (["score"], b"scorer_started"), (["feed", "--epochs", "1000"], b"feeder_started"),
+    (["status", "--watch", "0.2"], b"run sig:")], ids=["score", "feed", "status"])
+async def test_roles_stop_on_sigterm_and_exit_0(command: list[str], started: bytes,
+                                                redis_server: RedisServer,
+                                                real_redis: aioredis.Redis) -> None:
+    from producers.publisher import Publisher
+
+    await Publisher(real_redis, "sig").register()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ops.cli", *command, "--redis-url", redis_server.url,
+        "--run", "sig", env={**os.environ, "ROLLQ_LOG_FORMAT": "json"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert process.stdout is not None
+    seen = b""
+    while started not in seen:  # its loop is running (signal handlers installed before)
+        line = await asyncio.wait_for(process.stdout.readline(), 60)
+        assert line, f"exited before starting: {seen[-500:]!r}"
+        seen += line
+    process.send_signal(signal.SIGTERM)
+    rest, _ = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, (seen + rest)[-800:]
