@@ -10,8 +10,10 @@ Differences a client can see, all on paths atroposlib answers with a crash or no
 - ``/status-env`` for an env_id nobody registered is a 404, not a 500;
 - Redis unreachable is a 503 (atroposlib's env client retries on 5xx);
 - ``POST /ack-batch`` (new): ack the batch last handed out without asking for another;
-- ``/batch`` assembles one batch per call, so ``current_step`` counts batches handed out
-  (atroposlib adds every batch it could form at once).
+- an identical re-post (same env, tokens and scores) within ``dedup_window_s`` is answered
+  ``received`` and not stored again (atroposlib's env retries a post on 5xx/timeouts);
+- ``/batch`` answers gzip only to clients that ask for it (``Accept-Encoding``), joined
+  from pieces deflated at post time (``ops.atropos.pieces``), never compressed per call.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ops.atropos.models import (
     ServerInfo,
     Status,
 )
+from ops.atropos.pieces import compress, gzip_join, raw_join
 from ops.atropos.settings import AtroposApiSettings
 from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
 from schemas import ContractError, TransientError
@@ -109,6 +112,22 @@ class GzipRequests:
 
 
 _GROUP_LIST = TypeAdapter(list[ScoredData])
+_BATCH_OPEN, _COMMA, _BATCH_CLOSE = (compress(text) for text in (b'{"batch":[', b",", b"]}"))
+_VARY = {"Vary": "Accept-Encoding"}
+_GZIPPED = {"Content-Encoding": "gzip", **_VARY}
+
+
+def _accepts_gzip(request: Request) -> bool:
+    """Whether the client takes gzip (``gzip`` in Accept-Encoding, not refused with q=0)."""
+    for coding in request.headers.get("accept-encoding", "").lower().split(","):
+        name, _, params = coding.strip().partition(";")
+        if name.strip() == "gzip":
+            quality = params.strip().removeprefix("q=") or "1"
+            try:
+                return float(quality) > 0
+            except ValueError:
+                return True
+    return False
 
 
 def _problem(status: int, detail: Any) -> JsonResponse:
@@ -130,7 +149,9 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
             async with AtroposStore(client, settings.run, rewards=settings.rewards,
                                     consumer_group=settings.consumer_group,
                                     partitions=settings.partitions,
-                                    lock_timeout_s=settings.lock_timeout_s) as store:
+                                    lock_timeout_s=settings.lock_timeout_s,
+                                    gzip_level=settings.gzip_level,
+                                    dedup_window_s=settings.dedup_window_s) as store:
                 app.state.store = store
                 log.info("atropos_api_started", run=settings.run, rewards=settings.rewards,
                          partitions=store.partitions)
@@ -231,7 +252,13 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
                                  "batch": []})
         if groups is None:
             return JsonResponse(b'{"batch":null}')
-        return JsonResponse(b'{"batch":[' + b",".join(groups) + b"]}")
+        pieces = [_BATCH_OPEN]
+        for i, group in enumerate(groups):
+            pieces += [_COMMA, group] if i else [group]
+        pieces.append(_BATCH_CLOSE)
+        if _accepts_gzip(request):  # joined, not compressed again (ops.atropos.pieces)
+            return JsonResponse(gzip_join(pieces), headers=_GZIPPED)
+        return JsonResponse(raw_join(pieces), headers=_VARY)
 
     @app.post("/ack-batch")
     async def ack_batch(request: Request) -> dict[str, Any]:

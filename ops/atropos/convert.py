@@ -15,6 +15,9 @@ Atropos -> rollq (``to_trajectory``, ``to_scored``):
 - ``text``: the content of the last assistant message when ``messages`` are given.
 - ``metadata["atropos"]``: ``env_id``, ``rebuilt`` (the per-token fields that rebuild
   exactly from the binary arrays) and ``posted`` (every other non-null field, verbatim).
+- An optional per-sequence field posted as an empty list (atroposlib's default
+  ``collect_trajectories`` sends ``advantages``, ``ref_logprobs``, ``overrides`` and
+  ``images`` that way when no rollout set them) means "none" and comes back as ``[]``.
 
 rollq -> Atropos (``to_atropos``) gives back every key of ``ScoredData``, absent ones null.
 A field is rebuilt from the arrays only when, at post time, rebuilding it gave the posted
@@ -69,6 +72,8 @@ def _check(data: ScoredData) -> tuple[list[NDArray[np.int64]], list[NDArray[np.i
         raise InvalidGroup("tokens is empty: a group needs at least one sequence")
     for name in _PER_SEQUENCE:
         value = getattr(data, name)
+        if name not in ("masks", "scores") and value == []:
+            continue  # atroposlib's default collect_trajectories sends unused ones empty
         if value is not None and len(value) != count:
             raise InvalidGroup(f"{name} has {len(value)} entries for {count} sequences")
     tokens = [np.asarray(t, dtype=np.int64) for t in data.tokens]
@@ -118,7 +123,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
            for t, m, k in zip(tokens, masks, trainable, strict=True)):
         rebuilt.append("masks")
     logprobs: list[NDArray[np.float32]] = [np.zeros(len(t) - start, np.float32) for t in tokens]
-    if data.inference_logprobs is not None:
+    if data.inference_logprobs:
         exact = True
         for i, row in enumerate(data.inference_logprobs):
             posted = _exact_f32(row)
@@ -128,7 +133,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
             exact = exact and np.array_equal(again, posted)
         if exact:
             rebuilt.append("inference_logprobs")
-    if data.advantages is not None and all(
+    if data.advantages and all(
             np.array_equal(np.concatenate([np.zeros(start), _exact_f32(row)[start:]
                                            .astype(np.float32).astype(np.float64)]),
                            _exact_f32(row)) for row in data.advantages):
@@ -163,7 +168,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
 def to_scored(trajectory: TrajectoryGroup, data: ScoredData) -> ScoredGroup:
     """The group scored with the env's own scores (``--rewards env``)."""
     start = len(trajectory.prompt_ids)
-    if data.advantages is not None:
+    if data.advantages:
         token_advantages = [np.asarray(row[start:], dtype=np.float32)
                             for row in data.advantages]
         sequence = [float(a[c.loss_mask.astype(bool)].mean()) if c.loss_mask.any() else 0.0

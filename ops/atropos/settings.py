@@ -23,6 +23,11 @@ class AtroposApiSettings(CommonSettings):
     """Consumer group of ``/batch`` on the scored streams (every API process of a run
     shares it)."""
     gzip_level: int = Field(default=1, ge=1, le=9)
-    """gzip level of large answers (atroposlib uses 9; 1 is several times faster)."""
+    """gzip level of large answers and of each group's ``/batch`` piece, deflated once when
+    the group is posted (atroposlib uses 9 per answer; 1 is several times faster)."""
+    dedup_window_s: int = Field(default=600, ge=0)
+    """An identical re-post (same env, tokens and scores) within this many seconds is
+    answered ``received`` without storing the group again (atroposlib's env re-posts after
+    a 5xx or a timeout). 0: off."""
     lock_timeout_s: float = Field(default=30.0, gt=0)
     """Longest wait for, and hold of, the lock that serialises batch assembly."""

@@ -10,13 +10,24 @@ Keys (run-wide ones under the run's hash tag, ``schemas.keys.run_key``):
                                     list: posted groups of a size other than their env's,
                                     verbatim JSON, until some of them sum to that size
     rollq:{<run>}:atropos:lock      the lock that serialises batch assembly across processes
+    rollq:{<run>:<p>}:atropos:pieces
+                                    hash: entry id -> the group's ``/batch`` JSON, deflated
+                                    once (``ops.atropos.pieces``); HDEL when the group is
+                                    acked or dropped
+    rollq:{<run>:<p>}:atropos:posted:<digest>
+                                    the entry id of a posted group, for ``dedup_window_s``:
+                                    an identical re-post (same env, tokens and scores) in
+                                    that window is answered without a second XADD
 
 Delivery:
 
 - A posted group is one XADD before the HTTP answer: to the partition's ``scored`` stream
   (``rewards="env"``, inline form, the env's scores) or ``traj`` stream
-  (``rewards="bridge"``: rollq's scorers score it). A buffered group is an RPUSH; the
-  groups that complete a size are XADDed and taken off the buffer in one MULTI/EXEC.
+  (``rewards="bridge"``: rollq's scorers score it). With ``rewards="env"`` the same Lua
+  script stores the group's ``/batch`` piece beside it; other groups (bridge-scored, or
+  from rollq's own envs) get theirs built once when this API first reads them. A buffered
+  group is an RPUSH; the groups that complete a size are XADDed and taken off the buffer
+  in one MULTI/EXEC.
 - ``/batch`` reads the scored streams in consumer group ``atropos`` as consumer ``queue``:
   the queue is that consumer's pending list (XPENDING) minus the batch last handed out. A
   handed-out batch stays pending until the next ``/batch`` (or ``/ack-batch``) acks it
@@ -28,8 +39,10 @@ Delivery:
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
+import hashlib
 import time
 import uuid
 from collections import OrderedDict
@@ -52,6 +65,7 @@ from consumers.bus import (
 from ops.atropos.batching import Queued, env_status, groups_summing_to, select_batch
 from ops.atropos.convert import InvalidGroup, to_atropos, to_scored, to_trajectory
 from ops.atropos.models import ScoredData
+from ops.atropos.pieces import compress, inflate
 from producers.publisher import Publisher
 from schemas import (
     BrokerUnavailable,
@@ -68,6 +82,7 @@ from schemas.keys import (
     POLICY_VERSION_FIELD,
     counters_key,
     partition_of,
+    partner_key,
     run_key,
     state_key,
     stream_key,
@@ -82,7 +97,28 @@ _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# XADD a group, store its /batch piece under the entry id, and (dedup on) remember its
+# digest; a digest seen within the window answers nil and writes nothing.
+# KEYS: stream, pieces hash, digest key. ARGV: piece ('' = none), window s ('0' = off),
+# then the entry's field/value pairs.
+_POST = """
+if ARGV[2] ~= '0' and redis.call('EXISTS', KEYS[3]) == 1 then return false end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[2], id, ARGV[1]) end
+if ARGV[2] ~= '0' then redis.call('SET', KEYS[3], id, 'EX', ARGV[2]) end
+return id
+"""
 Ref = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A posted group ready to XADD: its stream, fields, piece and content digest."""
+
+    stream: str
+    fields: dict[bytes, bytes]
+    piece: bytes
+    digest: str
 
 
 def _refs(raw: Any) -> list[Ref]:
@@ -99,6 +135,19 @@ def _handed(state: dict[str, Any]) -> set[Ref]:
     return handed
 
 
+def _digest(env: str, data: ScoredData) -> str:
+    """What makes two posts the same group: the env, every sequence's tokens, the scores."""
+    digest = hashlib.blake2b(env.encode(), digest_size=16)
+    try:
+        for tokens in data.tokens:
+            digest.update(len(tokens).to_bytes(4, "little"))
+            digest.update(array.array("q", tokens).tobytes())
+    except OverflowError:
+        raise InvalidGroup("tokens hold an id outside 0..2147483647") from None
+    digest.update(array.array("d", data.scores).tobytes())
+    return digest.hexdigest()
+
+
 class NotRegistered(Exception):
     """``/batch`` before any trainer called ``/register``."""
 
@@ -111,7 +160,14 @@ class UnknownEnv(LookupError):
 class _Held:
     group: ScoredGroup
     queued: Queued
-    json: bytes | None = None
+
+
+def _piece_key(stream: str) -> str:
+    return partner_key(stream, "atropos:pieces")
+
+
+def _entry_text(entry: Any) -> str:
+    return entry.decode() if isinstance(entry, bytes) else str(entry)
 
 
 class AtroposStore:
@@ -119,7 +175,8 @@ class AtroposStore:
 
     def __init__(self, redis: aioredis.Redis, run: str, *, rewards: RewardSource = "env",
                  consumer_group: str = "atropos", partitions: int = 1,
-                 lock_timeout_s: float = 30.0, cache_groups: int = 4096) -> None:
+                 lock_timeout_s: float = 30.0, cache_groups: int = 4096,
+                 gzip_level: int = 1, dedup_window_s: int = 600) -> None:
         self.redis = redis
         self.run = run
         self.rewards = rewards
@@ -127,6 +184,9 @@ class AtroposStore:
         self.partitions = partitions
         self.lock_timeout_s = lock_timeout_s
         self.cache_groups = cache_groups
+        self.gzip_level = gzip_level
+        self.dedup_window_s = dedup_window_s
+        self._post_script = redis.register_script(_POST)
         self._state = run_key(run, "atropos")
         self._envs = run_key(run, "atropos:envs")
         self._lock = run_key(run, "atropos:lock")
@@ -228,39 +288,73 @@ class AtroposStore:
         entries = await self._entries(groups, envs)
         async with translated_errors("posting a group"):
             pipe = self.redis.pipeline(transaction=True)
-            for key, fields in entries:
-                pipe.xadd(key, fields)  # type: ignore[arg-type]
+            for entry in entries:
+                await self._queue_post(pipe, entry)
             ids = await pipe.execute()
-        await self._remember_latest(entries[-1][0], ids[-1])
+        await self._posted(entries, ids)
+
+    async def _queue_post(self, pipe: Any, entry: _Entry) -> None:
+        args: list[bytes | str | int] = [entry.piece, self.dedup_window_s]
+        for name, value in entry.fields.items():
+            args += [name, value]
+        await self._post_script(
+            keys=[entry.stream, _piece_key(entry.stream),
+                  partner_key(entry.stream, f"atropos:posted:{entry.digest}")],
+            args=args, client=pipe)
+
+    async def _posted(self, entries: Sequence[_Entry], ids: Sequence[Any]) -> None:
+        """Log re-posts answered without an XADD; remember the last group written."""
+        last = None
+        for entry, entry_id in zip(entries, ids, strict=True):
+            if entry_id is None:
+                log.info("group_repost_acknowledged", run=self.run, digest=entry.digest)
+            else:
+                last = (entry.stream, entry_id)
+        if last is not None:
+            async with translated_errors("recording the latest group"):
+                await self.redis.hset(self._state, "latest",
+                                      f"{last[0]} {_entry_text(last[1])}")
 
     async def _entries(self, groups: Sequence[ScoredData],
-                       envs: list[dict[str, Any]]) -> list[tuple[str, dict[bytes, bytes]]]:
+                       envs: list[dict[str, Any]]) -> list[_Entry]:
         async with translated_errors("reading the policy version"):
             raw = await self.redis.hget(state_key(self.run), POLICY_VERSION_FIELD)
         version = int(raw or 0)
-        return [self._encode(data, envs, version) for data in groups]
+        # CPU-bound (JSON, deflate: zlib lets other requests run meanwhile)
+        return await asyncio.to_thread(
+            lambda: [self._encode(data, envs, version) for data in groups])
 
-    async def _remember_latest(self, key: str, entry_id: Any) -> None:
-        entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        async with translated_errors("recording the latest group"):
-            await self.redis.hset(self._state, "latest", f"{key} {entry}")
-
-    def _encode(self, data: ScoredData, envs: list[dict[str, Any]],
-                version: int) -> tuple[str, dict[bytes, bytes]]:
+    def _encode(self, data: ScoredData, envs: list[dict[str, Any]], version: int) -> _Entry:
         env_id = data.env_id
         env = envs[env_id]["real_name"] if env_id is not None and 0 <= env_id < len(envs) \
             else "atropos"
-        group_id = uuid.uuid4().hex
+        digest = _digest(env, data)
+        group_id = self._group_id(digest)
         trajectory = to_trajectory(data, run=self.run, env=env, group_id=group_id,
                                    policy_version=version)
         partition = partition_of(group_id, self.partitions)
         try:
             if self.rewards == "bridge":
-                return stream_key(self.run, partition, "traj"), encode(trajectory)
-            return (stream_key(self.run, partition, "scored"),
-                    encode(to_scored(trajectory, data)))
+                return _Entry(stream_key(self.run, partition, "traj"), encode(trajectory),
+                              b"", digest)
+            scored = to_scored(trajectory, data)
+            return _Entry(stream_key(self.run, partition, "scored"), encode(scored),
+                          self._build_piece(scored), digest)
         except (ContractError, ValueError) as exc:
             raise InvalidGroup(str(exc)) from None
+
+    def _group_id(self, digest: str) -> str:
+        """A fresh group id in the digest's partition (where the digest's key lives, so the
+        check and the XADD are one single-slot script)."""
+        target = partition_of(digest, self.partitions)
+        while True:
+            group_id = uuid.uuid4().hex
+            if partition_of(group_id, self.partitions) == target:
+                return group_id
+
+    def _build_piece(self, group: ScoredGroup) -> bytes:
+        return compress(orjson.dumps(to_atropos(group), option=orjson.OPT_SERIALIZE_NUMPY),
+                        self.gzip_level)
 
     def check(self, data: ScoredData) -> None:
         """Raise ``InvalidGroup`` for a group that could not be stored."""
@@ -280,8 +374,8 @@ class AtroposStore:
                     chosen = groups_summing_to([len(g.tokens) for g in groups], expected)
                     entries = await self._entries([groups[i] for i in chosen], envs)
                     pipe.multi()  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
-                    for stream, fields in entries:
-                        pipe.xadd(stream, fields)  # type: ignore[arg-type]
+                    for entry in entries:
+                        await self._queue_post(pipe, entry)
                     if chosen:
                         pipe.delete(key)
                         rest = [item for i, item in enumerate(items) if i not in chosen]
@@ -295,8 +389,7 @@ class AtroposStore:
                 continue
             except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
                 raise BrokerUnavailable(f"redis unavailable while buffering: {exc}") from exc
-        if entries:
-            await self._remember_latest(entries[-1][0], replies[len(entries) - 1])
+        await self._posted(entries, replies[:len(entries)])
         remaining = sum(len(g.tokens) for i, g in enumerate(groups) if i not in chosen)
         return {"status": "buffered", "buffer_size": remaining}
 
@@ -306,10 +399,41 @@ class AtroposStore:
         """Take every new scored entry into this API's consumer group (as pending)."""
         while True:
             deliveries = await self.reader.read(count=256, block_ms=0)
+            held = {}
             for delivery in deliveries:
-                await self._hold(delivery)
+                if (group := await self._hold(delivery)) is not None:
+                    held[(delivery.stream, delivery.entry_id)] = group
+            await self._pieces(held)
             if len(deliveries) < 256:
                 return
+
+    async def _pieces(self, held: dict[Ref, _Held], *, load: bool = False) -> dict[Ref, bytes]:
+        """Make sure every held group has its piece in Redis, building the missing ones
+        (groups this API did not post); with ``load``, return them all."""
+        if not held:
+            return {}
+        refs = list(held)
+        async with translated_errors("reading batch pieces"):
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, entry in refs:
+                if load:
+                    pipe.hget(_piece_key(stream), entry)
+                else:
+                    pipe.hexists(_piece_key(stream), entry)
+            replies = await pipe.execute()
+        found = {ref: reply for ref, reply in zip(refs, replies, strict=True) if reply}
+        missing = [ref for ref in refs if ref not in found]
+        if missing:
+            built = await asyncio.to_thread(
+                lambda: {ref: self._build_piece(held[ref].group) for ref in missing})
+            async with translated_errors("storing batch pieces"):
+                pipe = self.redis.pipeline(transaction=False)
+                for (stream, entry), piece in built.items():
+                    pipe.hsetnx(_piece_key(stream), entry, piece)  # type: ignore[arg-type]  # bytes: stubs say str
+                await pipe.execute()
+            log.info("batch_pieces_built", run=self.run, groups=len(built))
+            found.update(built)
+        return found if load else {}
 
     async def _hold(self, delivery: Delivery) -> _Held | None:
         ref = (delivery.stream, delivery.entry_id)
@@ -384,7 +508,8 @@ class AtroposStore:
     # -- batches ---------------------------------------------------------------------------
 
     async def next_batch(self) -> list[bytes] | None:
-        """The groups of the next batch as JSON documents, or None when none can be formed.
+        """The groups of the next batch as pieces (``ops.atropos.pieces``: each group's
+        JSON, deflated), or None when none can be formed.
 
         As atroposlib, a call that finds no batch formed ahead forms every batch the queue
         allows, counts them all as steps, and hands out the last one formed first.
@@ -404,7 +529,8 @@ class AtroposStore:
                     held = await self._fetch(kept)
                     await self.redis.hdel(self._state, "redeliver")
                     log.info("batch_redelivered", run=self.run, groups=len(kept))
-                    return [self._json(held[r]) for r in kept if r in held]
+                    pieces = await self._pieces(held, load=True)
+                    return [pieces[r] for r in kept if r in pieces]
                 await self._ack(kept)
             prepared = [_refs(batch) for batch in orjson.loads(state.get("prepared", "[]"))]
             formed = 0
@@ -430,8 +556,9 @@ class AtroposStore:
                 if formed:
                     pipe.hincrby(self._state, "step", formed)
                 await pipe.execute()
+            pieces = await self._pieces(held, load=True)
             log.info("batch_handed_out", run=self.run, groups=len(refs), formed=formed)
-            return [self._json(held[r]) for r in refs if r in held]
+            return [pieces[r] for r in refs if r in pieces]
 
     async def ack_outstanding(self) -> int:
         """Ack the batch last handed out (``/ack-batch``); returns the groups acked now."""
@@ -443,17 +570,16 @@ class AtroposStore:
         acked = await self.reader.ack_counted([Delivery(s, e, {}) for s, e in refs],
                                               CONSUMED_COUNTER) if refs else 0
         async with translated_errors("acking a batch"):
-            await self.redis.hdel(self._state, "outstanding", "redeliver")
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hdel(self._state, "outstanding", "redeliver")
+            for stream, entry in refs:
+                pipe.hdel(_piece_key(stream), entry)
+            await pipe.execute()
         for ref in refs:
             self._cache.pop(ref, None)
         if refs:
             log.info("batch_acked", run=self.run, groups=len(refs), consumed=acked)
         return acked
-
-    def _json(self, held: _Held) -> bytes:
-        if held.json is None:
-            held.json = orjson.dumps(to_atropos(held.group), option=orjson.OPT_SERIALIZE_NUMPY)
-        return held.json
 
     # -- status ----------------------------------------------------------------------------
 
@@ -479,7 +605,8 @@ class AtroposStore:
         if not entry:
             return None
         held = await self._fetch([(stream, entry)])
-        return self._json(held[(stream, entry)]) if held else None
+        pieces = await self._pieces(held, load=True)
+        return inflate(pieces[(stream, entry)]) if pieces else None
 
     async def reset(self) -> int:
         """atroposlib's ``/reset_data``: forget registrations and drop every queued and
@@ -496,7 +623,8 @@ class AtroposStore:
                 for env_id in range(len(envs)):
                     pipe.llen(self._buffer_key(env_id))
                     pipe.delete(self._buffer_key(env_id))
-                pipe.delete(self._state, self._envs)
+                pipe.delete(self._state, self._envs,
+                            *(_piece_key(stream) for stream in self.reader.streams))
                 if "registration" in state:  # atroposlib's reset forgets all but this
                     pipe.hset(self._state, "max_token_len",
                               str(state["registration"]["max_token_len"]))

@@ -1,9 +1,16 @@
-"""Shared by the Atropos API tests: the app in-process, and groups as envs post them."""
+"""Shared by the Atropos API tests: the app in-process and as a process, child processes,
+and groups as envs post them."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -11,6 +18,7 @@ import redis.asyncio as aioredis
 
 from ops.atropos.app import create_app
 from ops.atropos.settings import AtroposApiSettings
+from tests.redis_server import free_port
 
 REGISTRATION = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4,
                 "max_token_len": 512, "checkpoint_dir": "/tmp/ckpt",
@@ -50,3 +58,66 @@ async def api_client(redis: aioredis.Redis, run: str = "atr",
 
 def marker_of(group: dict[str, Any]) -> int:
     return int(group["tokens"][0][0])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def until(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
+    """Poll ``check`` until it returns something truthy (HTTP and OS errors count as not
+    yet); raises AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            result = check()
+            if result:
+                return result
+        except (httpx.HTTPError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+class Process:
+    """A child process in its own session (killed with its children), output to a log."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.log = log
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                self.argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, env={**os.environ, **(self.env or {})})
+
+    def kill(self) -> None:
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class ApiProcess(Process):
+    """``rollq atropos-api`` on a free loopback port (uvicorn, as in production)."""
+
+    def __init__(self, redis_url: str, run: str, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__([sys.executable, "-m", "ops.cli", "atropos-api", "--redis-url",
+                          redis_url, "--run", run, "--port", str(self.port),
+                          "--log-format", "json", *extra], log)
+
+    def start(self) -> None:
+        super().start()
+        until(lambda: httpx.get(f"{self.url}/info", timeout=1).status_code == 200)

@@ -1,0 +1,133 @@
+"""Two Atropos environments written as Atropos users write them (``BaseEnv`` subclasses),
+for the serve-mode tests: run them with atroposlib's own CLI,
+
+    python -m tests.atropos.atropos_envs sums serve --env.rollout_server_url URL
+    python -m tests.atropos.atropos_envs two_step serve --env.rollout_server_url URL
+
+- ``sums``: single-turn, GSM8K-style: one question, ``group_size`` completions in one
+  request (``n``), scored 1.0 when the ``####`` answer is right;
+- ``two_step``: multi-step: the model answers, the env asks a follow-up, the model answers
+  again; ``collect_trajectory`` per rollout (atroposlib's default ``collect_trajectories``
+  gathers the group), every assistant turn trained, scored on the last answer.
+
+Inference goes to the ``openai`` server at ``$ROLLQ_TEST_OPENAI_URL`` (the loopback fake,
+``tests.atropos.fake_openai``); the tokenizer is read from ``$ROLLQ_TEST_TOKENIZER``.
+Both re-tokenise the chat, as atroposlib's GSM8K env does, with ``tokenize`` below:
+atroposlib 0.4.0's ``tokenize_for_trainer`` breaks under transformers 5, whose
+``apply_chat_template`` returns a ``BatchEncoding`` unless ``return_dict=False`` (the env
+then fails to JSON-encode its group and never posts it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any
+
+from atroposlib.envs.base import (
+    APIServerConfig,
+    BaseEnv,
+    BaseEnvConfig,
+    ScoredDataGroup,
+    ScoredDataItem,
+)
+
+QUESTIONS = [(a, b) for a in range(1, 6) for b in range(1, 6)]
+GROUP_SIZE = 4
+
+
+def tokenize(tokenizer: Any, chat: list[dict[str, str]], *,
+             all_assistant_turns: bool = False) -> tuple[list[int], list[int]]:
+    """Tokens and labels of a chat, as atroposlib's ``tokenize_for_trainer``: -100 over the
+    prompt (every non-assistant message with ``all_assistant_turns``), else the token."""
+    tokens: list[int] = tokenizer.apply_chat_template(chat, return_dict=False)
+    if not all_assistant_turns:
+        prefix = len(tokenizer.apply_chat_template(chat[:-1], add_generation_prompt=True,
+                                                   return_dict=False))
+        return tokens, [-100] * prefix + tokens[prefix:]
+    masks = [-100] * len(tokens)
+    for end, message in enumerate(chat, start=1):
+        if message["role"] == "assistant":
+            start = len(tokenizer.apply_chat_template(chat[:end - 1],
+                                                      add_generation_prompt=True,
+                                                      return_dict=False))
+            stop = len(tokenizer.apply_chat_template(chat[:end], return_dict=False))
+            masks[start:stop] = tokens[start:stop]
+    return tokens, masks
+
+
+def _score(reply: str, right: int) -> float:
+    found = re.search(r"####\s*(-?\d+)", reply)
+    return 1.0 if found is not None and int(found.group(1)) == right else 0.0
+
+
+class _Env(BaseEnv):
+    @classmethod
+    def config_init(cls) -> tuple[BaseEnvConfig, list[APIServerConfig]]:
+        config = BaseEnvConfig(
+            group_size=GROUP_SIZE, use_wandb=False, max_token_length=512,
+            tokenizer_name=os.environ["ROLLQ_TEST_TOKENIZER"], total_steps=10_000,
+            max_num_workers=2, max_batches_offpolicy=4, steps_per_eval=0,
+            wandb_name=cls.name, include_messages=True)
+        server = APIServerConfig(
+            server_type="openai", base_url=os.environ["ROLLQ_TEST_OPENAI_URL"],
+            api_key="x", model_name="fake", health_check=False, timeout=30)
+        return config, [server]
+
+    async def setup(self) -> None:
+        self.position = 0
+
+    async def get_next_item(self) -> tuple[int, int]:
+        item = QUESTIONS[self.position % len(QUESTIONS)]
+        self.position += 1
+        return item
+
+    async def evaluate(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class SumsEnv(_Env):
+    """Single turn: ``n = group_size`` completions of one question."""
+
+    name = "sums"
+
+    async def collect_trajectories(self, item: tuple[int, int]) -> tuple[ScoredDataGroup, list]:
+        a, b = item
+        prompt = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        reply = await self.server.chat_completion(messages=prompt, n=self.config.group_size,
+                                                  max_tokens=32)
+        group = ScoredDataGroup(tokens=[], masks=[], scores=[], messages=[])
+        for choice in reply.choices:
+            chat = [*prompt, {"role": "assistant", "content": choice.message.content}]
+            tokens, masks = tokenize(self.tokenizer, chat)
+            group["tokens"].append(tokens)
+            group["masks"].append(masks)
+            group["scores"].append(_score(choice.message.content, a + b))
+            group["messages"].append(chat)
+        return group, []
+
+
+class TwoStepEnv(_Env):
+    """Two steps: answer, follow-up question, answer again (scored on the second)."""
+
+    name = "two_step"
+
+    async def collect_trajectory(self, item: tuple[int, int]) -> tuple[ScoredDataItem, list]:
+        a, b = item
+        chat: list[dict[str, str]] = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        for follow_up in (None, f"Now add 10 to {a} + {b}."):
+            if follow_up is not None:
+                chat.append({"role": "user", "content": follow_up})
+            reply = await self.server.chat_completion(messages=chat, n=1, max_tokens=32)
+            chat.append({"role": "assistant", "content": reply.choices[0].message.content})
+        tokens, masks = tokenize(self.tokenizer, chat, all_assistant_turns=True)
+        return ScoredDataItem(tokens=tokens, masks=masks,
+                              scores=_score(chat[-1]["content"], a + b + 10),
+                              messages=chat), []
+
+
+ENVS: dict[str, type[_Env]] = {"sums": SumsEnv, "two_step": TwoStepEnv}
+
+if __name__ == "__main__":
+    ENVS[sys.argv.pop(1)].cli()
