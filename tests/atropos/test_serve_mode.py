@@ -1,7 +1,9 @@
 """Real Atropos envs in ``serve`` mode against ``rollq atropos-api``, with nothing changed
 but the URL: atroposlib's own env CLI and env loop (registration, ``/status-env``
-back-pressure, gzip posts), its ``openai`` server type on a loopback fake, and an
-Atropos-style trainer loop (``/register``, poll ``/batch``) consuming what they post."""
+back-pressure, gzip posts), its ``openai`` server type on a loopback fake, and the request
+path of atroposlib's example trainer (``example_trainer/api.py`` in the Atropos repository:
+``requests`` calls to ``/info``, ``/register`` and ``/batch``, gzip accepted by default;
+the trainer itself needs torch and vLLM) consuming what they post."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import requests
 
 from tests.atropos.helpers import REGISTRATION, ApiProcess, Process, until
 from tests.redis_server import RedisServer, free_port
@@ -80,9 +83,13 @@ def test_atropos_envs_in_serve_mode_feed_an_atropos_trainer(
     api, env, children = stack
     url = api.url
     batch_size = 2 * GROUP_SIZE
-    assert httpx.post(f"{url}/register", json={**REGISTRATION, "batch_size": batch_size},
-                      timeout=10).status_code == 200
-    assert httpx.get(f"{url}/batch", timeout=10).json() == {"batch": None}  # started
+    # the example trainer's check_atropos_api, register_trainer, then get_batch in a loop
+    assert requests.get(f"{url}/info", timeout=2).status_code == 200
+    registered = requests.post(f"{url}/register", timeout=10,
+                               json={**REGISTRATION, "batch_size": batch_size})
+    registered.raise_for_status()
+    assert "uuid" in registered.json()
+    assert requests.get(f"{url}/batch", timeout=10).json() == {"batch": None}  # started
     for name in ("sums", "two_step"):
         child = _serve(name, api, env, tmp_path / f"env_{name}.log")
         children.append(child)
@@ -91,8 +98,10 @@ def test_atropos_envs_in_serve_mode_feed_an_atropos_trainer(
     groups: list[dict[str, Any]] = []
 
     def poll() -> bool:  # the Atropos trainer's loop: poll /batch, train, poll again
-        batch = httpx.get(f"{url}/batch", timeout=30).json()["batch"]
+        response = requests.get(f"{url}/batch", timeout=10)
+        batch = response.json()["batch"]
         if batch is not None:
+            assert response.headers["content-encoding"] == "gzip"  # requests asks for it
             assert sum(len(g["tokens"]) for g in batch) == batch_size  # whole groups
             groups.extend(batch)
         return len({g["env_id"] for g in groups}) == 2 and len(groups) >= 8
