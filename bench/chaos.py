@@ -57,6 +57,7 @@ async def run_chaos(args: argparse.Namespace, directory: Path) -> Outcome:
         next_kill = started + rng.uniform(*args.kill_every)
         restart_redis_at = started + args.redis_restart_after_s
         restarted = False
+        self_exits: dict[str, int] = {}
         while True:
             await asyncio.sleep(0.2)
             now = time.monotonic()
@@ -82,10 +83,12 @@ async def run_chaos(args: argparse.Namespace, directory: Path) -> Outcome:
                 if code is not None and not (role.name == "feeder" and code == 0):
                     print(f"[{now - started:6.1f}s] {role.name} exited {code} by itself "
                           f"(see {role.log}); restarting it", flush=True)
+                    self_exits[role.name] = self_exits.get(role.name, 0) + 1
                     role.start()
         await asyncio.sleep(1.0)  # the trainer's last checkpoint lands after its ack
         result = await outcome(redis, RUN, checkpoint, started)
         result.kills = {r.name: r.kills for r in roles if r.kills}
+        result.self_exits = self_exits
         return result
     finally:
         for role in roles:
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         directory = args.keep or Path(scratch)
         directory.mkdir(parents=True, exist_ok=True)
         outcome = asyncio.run(run_chaos(args, directory))
-    print(f"wall {outcome.wall_s:.1f} s; kills {outcome.kills}")
+    print(f"wall {outcome.wall_s:.1f} s; kills {outcome.kills}; roles that exited by "
+          f"themselves: {outcome.self_exits or 'none'}")
     if outcome.lost:
         print(f"lost (first 10): {outcome.lost[:10]}")
     if outcome.duplicated:

@@ -139,6 +139,8 @@ class Outcome:
     dead: Counter[str]
     wall_s: float
     kills: dict[str, int] = field(default_factory=dict)
+    self_exits: dict[str, int] = field(default_factory=dict)
+    """Roles that exited on their own (they must ride out kills and Redis restarts)."""
 
     def line(self, name: str = "chaos") -> str:
         reasons = ", ".join(f"{r}: {n}" for r, n in sorted(self.dead.items()))
@@ -148,7 +150,7 @@ class Outcome:
 
     @property
     def ok(self) -> bool:
-        return not self.lost and not self.duplicated
+        return not self.lost and not self.duplicated and not self.self_exits
 
 
 def build_roles(redis_url: str, inference: str, directory: Path,

@@ -230,9 +230,10 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                                  jobs_retried=worker.jobs_retried)
                         return
                     raise
-                except (redis_errors.ConnectionError, redis_errors.TimeoutError,
-                        OSError) as exc:
-                    await rider.failed(BrokerUnavailable(f"redis unavailable: {exc}"))
+                except (BrokerUnavailable, redis_errors.ConnectionError,
+                        redis_errors.TimeoutError, OSError) as exc:
+                    await rider.failed(exc if isinstance(exc, BrokerUnavailable) else
+                                       BrokerUnavailable(f"redis unavailable: {exc}"))
                     await rider.call(lambda: _ping(probe))
     finally:
         with contextlib.suppress(redis_errors.ConnectionError, redis_errors.TimeoutError,

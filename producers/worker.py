@@ -166,11 +166,15 @@ def build_worker(
         if "runner" in ctx:  # arq runs on_startup on every main(); keep the first clients
             return
         redis = aioredis.Redis.from_url(redis_url)
+        publisher = Publisher(redis, run, partitions)
+        try:  # Redis first: a failed start-up (Redis away) leaves nothing open behind
+            await publisher.register()
+        except BaseException:
+            await redis.aclose()
+            raise
         pool = InferencePool(inference_urls, model=model or None, timeout_s=request_timeout_s,
                              transport=transport)
         await pool.__aenter__()
-        publisher = Publisher(redis, run, partitions)
-        await publisher.register()
         ctx.update(
             rollq_redis=redis,
             inference=pool,
