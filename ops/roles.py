@@ -208,7 +208,7 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         group_size=settings.group_size, concurrency=settings.concurrency,
         job_timeout_s=settings.job_timeout_s, max_tries=settings.max_tries,
         request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
-        burst=burst, transport=transport,
+        result_ttl_s=settings.job_result_ttl_s, burst=burst, transport=transport,
     )
     stopping = asyncio.Event()
     if not burst:

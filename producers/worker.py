@@ -157,6 +157,7 @@ def build_worker(
     grace_s: int = 30,
     poll_s: float = 0.02,
     retry_base_s: float = 1.0,
+    result_ttl_s: float = 600.0,
     transport: Any = None,
 ) -> Worker:
     """An arq ``Worker`` that runs rollout jobs of ``run``; ``await worker.main()`` runs it,
@@ -214,6 +215,10 @@ def build_worker(
         poll_delay=poll_s,  # a finished job's slot waits up to this long for the next job
         job_completion_wait=grace_s,
         handle_signals=False,  # ops.roles maps SIGINT/SIGTERM to a graceful stop
-        keep_result=24 * 3600,  # job ids stay known for a day: re-enqueueing is a no-op
+        # A finished job's id stays known this long, so a feeder that re-enqueues the
+        # position at its cursor after a crash (seconds later) is refused; after that the
+        # result expires and Redis stays flat over a weeks-long run (the trainer's
+        # group_id dedup stays the backstop).
+        keep_result=result_ttl_s,
         retry_jobs=True,
     )
