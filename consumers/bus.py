@@ -7,7 +7,14 @@ Delivery rules (DESIGN.md §3):
 - ``read`` returns new entries; ``read_own_pending`` returns entries this consumer took but
   never acked (after a restart); ``reclaim`` takes over entries another consumer left
   pending longer than ``reclaim_idle_ms``.
-- An entry delivered more than ``max_deliveries`` times is dead-lettered, not processed again.
+- An entry delivered more than ``max_deliveries`` times is dead-lettered, not processed
+  again, whether it comes back through reclaim or through ``read_own_pending`` (Redis
+  counts both; the counts are read with XPENDING), so an entry that crashes its consumer
+  cannot crash-loop it.
+- No entry can crash a reader: one whose ``run`` field is not the run its stream key names
+  is dead-lettered (``decode_error``) before anyone decodes it; a scored entry naming a
+  traj entry by an id Redis cannot hold, or whose lookup fails, is dead-lettered
+  (``trajectory_missing``) with the reason in the detail.
 - ``forward`` is exactly-once: in one MULTI/EXEC it XADDs the new entries and then runs a
   small script that XACKs their source entries; XACK returns 1 only to the first acker, and
   for each XACK that returns 0 the script deletes that entry's copy just added. EXEC is
@@ -51,10 +58,13 @@ from schemas import (
     join_trajectory,
     trajectory_ref,
 )
-from schemas.keys import DROP_PREFIX, partner_key
+from schemas.failures import MAX_DELIVERIES, TRAJECTORY_MISSING, classify
+from schemas.keys import DROP_PREFIX, PREFIX, partner_key
 
 T = TypeVar("T")
-_ENTRY_ID = re.compile(r"^\d+-\d+$")
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # ASCII digits: \d takes any script's
+_MAX_ID_PART = 2**64 - 1  # a stream id is two unsigned 64-bit numbers, ms-seq
+_STREAM_RUN = re.compile(re.escape(PREFIX) + r":\{([A-Za-z0-9_.\-]+):[0-9]+\}:")
 
 # KEYS[1] source stream, KEYS[2] counters hash; ARGV[1] group, ARGV[2] counter field ('' for
 # none), ARGV[3..] entry ids. Acks them; counts only those this call's XACK acked first.
@@ -212,6 +222,7 @@ class StreamReader:
         self.join_trajectories = join_trajectories
         """Merge the traj entry each reference-form scored entry names (scored readers)."""
         self._ack_and_count = redis.register_script(_ACK_AND_COUNT)
+        self._runs = {stream: run_of_stream(stream) for stream in self.streams}
         self._empty_reads = 0
         self._last_reclaim = 0.0
         self._reclaim_cursor = dict.fromkeys(self.streams, "0-0")
@@ -231,7 +242,9 @@ class StreamReader:
         return await self._read_group(">", count, block_ms)
 
     async def read_own_pending(self, count: int | None = None) -> list[Delivery]:
-        """Entries this consumer name was given earlier but never acked (after a restart)."""
+        """Entries this consumer name was given earlier but never acked (after a restart),
+        with their delivery counts; those delivered more than ``max_deliveries`` times
+        (this re-read included) are dead-lettered instead (``max_deliveries``)."""
         return await self._read_group("0", count, None)
 
     async def _read_group(self, start: str, count: int | None, block: int | None) -> list[Delivery]:
@@ -255,25 +268,49 @@ class StreamReader:
         deliveries: list[Delivery] = []
         for stream, entries in reply or []:
             name = stream.decode() if isinstance(stream, bytes) else stream
-            for entry_id, fields in entries:
-                if fields is None:  # pending entry whose data was deleted
-                    continue
-                deliveries.append(Delivery(name, _id(entry_id), fields, 1 if start == ">" else 2))
-        return await self._joined(deliveries)
+            entries = [(_id(i), f) for i, f in entries if f is not None]  # None: data deleted
+            counts: dict[str, int] = {}
+            if start != ">" and entries:  # a re-read: Redis counted it, XPENDING says how often
+                async with translated_errors("reading delivery counts"):
+                    counts = await self._delivery_counts(name, [i for i, _ in entries])
+            deliveries += [Delivery(name, i, f, counts.get(i, 1)) for i, f in entries]
+        return await self._screened(deliveries)
 
-    async def _joined(self, deliveries: list[Delivery]) -> list[Delivery]:
-        """With ``join_trajectories``: deliveries in inline form; the ones whose trajectory
-        is gone are dead-lettered (``trajectory_missing``) and left out."""
-        if not self.join_trajectories or not deliveries:
-            return deliveries
-        joined = await join_trajectories(self.redis, [(d.stream, d.fields) for d in deliveries])
+    async def _screened(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """The deliveries that may be processed. Dead-lettered and left out: those delivered
+        more than ``max_deliveries`` times, those whose ``run`` is not their stream's, and
+        (with ``join_trajectories``, which gives the rest in inline form) those whose
+        trajectory is gone or cannot be looked up."""
         kept: list[Delivery] = []
-        for delivery, fields in zip(deliveries, joined, strict=True):
-            if isinstance(fields, str):
-                await self.dead_letter(delivery, "trajectory_missing", fields)
+        for delivery in deliveries:
+            why = self._refusal(delivery)
+            if why is None:
+                kept.append(delivery)
             else:
-                kept.append(replace(delivery, fields=fields))
-        return kept
+                await self.dead_letter(delivery, *why)
+        if not self.join_trajectories or not kept:
+            return kept
+        joined = await join_trajectories(self.redis, [(d.stream, d.fields) for d in kept])
+        usable: list[Delivery] = []
+        for delivery, fields in zip(kept, joined, strict=True):
+            if isinstance(fields, str):
+                await self.dead_letter(delivery, TRAJECTORY_MISSING, fields)
+            else:
+                usable.append(replace(delivery, fields=fields))
+        return usable
+
+    def _refusal(self, delivery: Delivery) -> tuple[str, str] | None:
+        """(reason, detail) when a delivery must not be processed, else None."""
+        limit = self.settings.max_deliveries
+        if delivery.deliveries > limit:
+            return MAX_DELIVERIES, f"delivered {delivery.deliveries} times (max_deliveries={limit})"
+        run = self._runs.get(delivery.stream)
+        found = delivery.fields.get(b"run")
+        if run is not None and found is not None and found != run.encode():
+            failure = classify(DecodeError(
+                f"field 'run' is {found[:80]!r}, but the entry is in a stream of run {run!r}"))
+            return failure.reason, failure.detail
+        return None
 
     async def reclaim(self, count: int | None = None) -> list[Delivery]:
         """Take over entries idle longer than ``reclaim_idle_ms``; dead-letter the over-delivered.
@@ -297,17 +334,8 @@ class StreamReader:
                 if not entries:
                     continue
                 counts = await self._delivery_counts(stream, [i for i, _ in entries])
-            for delivery in await self._joined(
-                    [Delivery(stream, i, f, counts.get(i, 1)) for i, f in entries]):
-                if delivery.deliveries > self.settings.max_deliveries:
-                    await self.dead_letter(
-                        delivery,
-                        "max_deliveries",
-                        f"delivered {delivery.deliveries} times "
-                        f"(max_deliveries={self.settings.max_deliveries})",
-                    )
-                else:
-                    reclaimed.append(delivery)
+            reclaimed += await self._screened(
+                [Delivery(stream, i, f, counts.get(i, 1)) for i, f in entries])
         return reclaimed
 
     async def _delivery_counts(self, stream: str, entry_ids: list[str]) -> dict[str, int]:
@@ -412,6 +440,13 @@ class StreamReader:
                           self.group, counter, *ids)
             return sum(int(r) for r in await pipe.execute())
 
+    async def fetch(self, stream: str, entry_id: str) -> Fields | None:
+        """An entry's fields as they are stored (reference form), or None when it is gone:
+        what a dead letter of an entry whose raw fields were not kept should carry."""
+        async with translated_errors("fetching an entry"):
+            found = await self.redis.xrange(stream, min=entry_id, max=entry_id, count=1)
+        return dict(found[0][1]) if found else None
+
     async def dead_letter(self, delivery: Delivery, reason: str, detail: str = "") -> bool:
         """Move an entry to the partition's dead stream with the reason and its payload."""
         letter = DeadLetter(
@@ -466,18 +501,26 @@ async def join_trajectories(redis: aioredis.Redis,
         ref = trajectory_ref(fields)
         if ref is None:
             continue
-        if _ENTRY_ID.match(ref):
+        if is_entry_id(ref):
             refs.append((i, partner_key(stream, "traj"), ref))
         else:
-            out[i] = f"field 'traj' is not a stream entry id: {ref[:40]!r}"
+            out[i] = (f"field 'traj' is not a stream entry id (two unsigned 64-bit numbers, "
+                      f"ms-seq): {ref[:40]!r}")
     if not refs:
         return out
     async with translated_errors("reading trajectories"):
         pipe = redis.pipeline(transaction=False)
         for _, traj, ref in refs:
             pipe.xrange(traj, min=ref, max=ref, count=1)
-        replies = await pipe.execute()
+        # An error reply to one lookup is that entry's failure, never the reader's.
+        replies = await pipe.execute(raise_on_error=False)
     for (i, traj, ref), reply in zip(refs, replies, strict=True):
+        if isinstance(reply, redis_errors.ResponseError):
+            out[i] = f"looking up traj entry {ref} of {traj} failed: {reply}"
+            continue
+        if isinstance(reply, BaseException):  # not a reply at all: the connection failed
+            raise BrokerUnavailable(f"redis unavailable while reading trajectories: "
+                                    f"{reply}") from reply
         if not reply:
             out[i] = f"traj entry {ref} of {traj} is gone (trimmed or deleted)"
             continue
@@ -601,6 +644,20 @@ async def stream_stats(redis: aioredis.Redis, key: str) -> StreamStats | None:
         last_id=_id(last[0]) if last else None,
         groups=groups,
     )
+
+
+def is_entry_id(text: str) -> bool:
+    """Whether ``text`` is a complete stream entry id Redis can hold: ``ms-seq``, two
+    unsigned 64-bit decimal numbers."""
+    match = _ENTRY_ID.fullmatch(text)
+    return match is not None and all(int(part) <= _MAX_ID_PART for part in match.groups())
+
+
+def run_of_stream(key: str) -> str | None:
+    """The run a partition stream key (``rollq:{<run>:<p>}:<name>``) belongs to; None for
+    a key of another shape."""
+    match = _STREAM_RUN.match(key)
+    return match.group(1) if match else None
 
 
 def _id(value: bytes | str) -> str:

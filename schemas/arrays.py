@@ -4,6 +4,10 @@ Token arrays never travel as JSON lists: in memory they are 1-D numpy arrays of 
 dtype (int32 token ids and versions, float32 logprobs/rewards, uint8 masks), and on the wire
 their little-endian bytes. The validators accept any 1-D sequence of numbers and convert it
 once; an array that already has the right dtype is taken without a copy and frozen.
+
+``check_values`` is the one value check of an array (finite, within bounds), shared by the
+models' validators and the codec. It costs one or two vectorised reductions (a few µs for
+32K tokens), never a Python loop over elements, so the codec runs it on every group.
 """
 
 from __future__ import annotations
@@ -38,6 +42,34 @@ def _as_array(dtype: type[np.generic]) -> Any:
         return array
 
     return PlainValidator(validate)
+
+
+MAX_VERSION = 2**31 - 1
+"""Largest policy version: versions travel as int32 (per token) and must fit one."""
+
+
+def check_values(name: str, array: np.ndarray[Any, Any], *, low: float | None = None,
+                 high: float | None = None) -> None:
+    """Raise ValueError naming ``name`` unless every value of ``array`` is finite (floats)
+    and within ``[low, high]`` (each bound optional).
+
+    NaN propagates through ``min``/``max``, so a float array needs only those two reductions.
+    """
+    if not array.size:
+        return
+    floating = array.dtype.kind == "f"
+    if floating or low is not None:
+        lowest = array.min()
+        if floating and not np.isfinite(lowest):
+            raise ValueError(f"{name} holds a non-finite value ({lowest})")
+        if low is not None and lowest < low:
+            raise ValueError(f"{name} holds {lowest}, below the lowest allowed value {low}")
+    if floating or high is not None:
+        highest = array.max()
+        if floating and not np.isfinite(highest):
+            raise ValueError(f"{name} holds a non-finite value ({highest})")
+        if high is not None and highest > high:
+            raise ValueError(f"{name} holds {highest}, above the highest allowed value {high}")
 
 
 def broadcast(values: npt.ArrayLike, lengths: Sequence[int]) -> list[Float32Array]:

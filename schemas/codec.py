@@ -13,14 +13,25 @@ hop. ``join_trajectory`` merges that traj entry in, giving the *inline* form (ev
 trajectory field beside the scores), which is what ``decode`` reads; rescore, which writes
 into another run, writes the inline form directly.
 
-``encode`` raises ``ContractError`` for metadata JSON cannot carry. ``decode`` raises
-``DecodeError`` (``UnknownVersionError`` for a version it does not know)
-and nothing else: the caller dead-letters the entry with the message as the reason.
+Values are checked in both directions, not only shapes (the rules are in
+``schemas.models``: ids >= 0, logprobs finite and <= 0, masks 0/1, versions in [0, 2^31),
+no empty completion, finite rewards/advantages/per-token values, metadata without NaN,
+infinities or integers beyond 64 bits). The arrays are checked once per group, over the
+concatenated bytes, with vectorised reductions; JSON numbers by pydantic where the field is
+typed and by a walk where it is free-form (only when a scan of the bytes finds a token that
+could be one). ``decode`` also takes what only a reader knows: the ``run`` of the stream it
+read (an entry of another run is invalid there) and the model's ``vocab_size``.
+
+``encode`` raises ``ContractError`` for values the contract forbids or JSON cannot carry.
+``decode`` raises ``DecodeError`` (``UnknownVersionError`` for a version it does not know),
+naming the field, and nothing else: the caller dead-letters the entry (reason via
+``schemas.failures.classify``).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any, TypeVar
 
@@ -29,7 +40,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
-from schemas.arrays import broadcast, is_broadcast
+from schemas.arrays import MAX_VERSION, broadcast, check_values, is_broadcast
 from schemas.errors import ContractError, DecodeError, UnknownVersionError
 from schemas.models import (
     SCHEMA_VERSION,
@@ -40,6 +51,8 @@ from schemas.models import (
     ScoredGroup,
     SequenceScore,
     TrajectoryGroup,
+    check_json,
+    check_tokens,
 )
 
 Fields = dict[bytes, bytes]
@@ -47,6 +60,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _I32, _F32, _U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<u1")
 _DEAD_PAYLOAD_PREFIX = b"payload:"
+_VERSION_TEXT = re.compile(rb"-?[0-9]{1,20}")
 
 
 def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:
@@ -67,6 +81,9 @@ def _identity(group: TrajectoryGroup, kind: bytes) -> Fields:
 
 
 def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
+    """The fields of a group's trajectory; raises ``ContractError`` for a value the
+    contract forbids (a model built without validation: ``model_construct``,
+    ``model_copy(update=...)``)."""
     completions = group.completions
     # Completion texts are bulk (a quarter of a long group's bytes): raw UTF-8 beside the
     # token arrays, not JSON strings that every reader would scan for escapes.
@@ -89,12 +106,13 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
             for c in completions
         ],
     }
+    lengths = np.array([len(c.completion_ids) for c in completions], _I32)
     fields = _identity(group, kind)
     fields.update({
         b"meta": _dumps(meta),
         b"texts": b"".join(texts),
         b"text_lengths": np.array([len(t) for t in texts], _I32).tobytes(),
-        b"lengths": np.array([len(c.completion_ids) for c in completions], _I32).tobytes(),
+        b"lengths": lengths.tobytes(),
         b"prompt_ids": group.prompt_ids.astype(_I32, copy=False).tobytes(),
         b"completion_ids": _pack([c.completion_ids for c in completions], _I32),
         b"logprobs": _pack([c.logprobs for c in completions], _F32),
@@ -102,6 +120,16 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
     })
     if any(c.token_versions is not None for c in completions):
         fields[b"token_versions"] = _pack([c.versions for c in completions], _I32)
+    try:
+        _check_identity_values(group.policy_version,
+                               [c.policy_version for c in completions])
+        _check_trajectory_values(fields, lengths.tolist(), None)
+        # the meta document less its strings and ints typed by the models (fewer nodes)
+        check_json("meta", [group.metadata, group.prompt_messages, group.created_at,
+                            group.finished_at,
+                            [(c.messages, c.info, c.turn_rewards) for c in completions]])
+    except (DecodeError, ValueError) as exc:
+        raise ContractError(f"cannot encode group {group.group_id[:80]!r}: {exc}") from None
     return fields
 
 
@@ -139,7 +167,8 @@ def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
             "scored_at": message.scored_at,
         }
     )
-    fields[b"rewards"] = np.array([s.reward for s in scores], _F32).tobytes()
+    rewards = np.array([s.reward for s in scores], _F32)
+    fields[b"rewards"] = rewards.tobytes()
     advantages = np.array([s.advantage for s in scores], _F32)
     fields[b"advantages"] = advantages.tobytes()
     # Per-token advantages travel only when they are not the sequence advantage broadcast
@@ -157,6 +186,16 @@ def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
             ],
             _F32,
         )
+    lengths = [len(c.completion_ids) for c in message.trajectory.completions]
+    try:
+        if len(scores) != len(lengths):
+            raise ValueError(f"{len(scores)} scores for {len(lengths)} completions")
+        check_json("score_meta", [[s.components for s in scores], message.weights,
+                                  message.scored_at])
+        _check_score_values(fields, rewards, advantages, sum(lengths))
+    except (DecodeError, ValueError) as exc:
+        raise ContractError(f"cannot encode the scores of group "
+                            f"{message.group_id[:80]!r}: {exc}") from None
     return fields
 
 
@@ -172,6 +211,63 @@ def _field(fields: Mapping[bytes, bytes], name: bytes) -> bytes:
         return fields[name]
     except KeyError:
         raise DecodeError(f"missing field {name.decode()!r}") from None
+
+
+def _check_identity_values(policy_version: int, completion_versions: list[int]) -> None:
+    for version in (policy_version, *completion_versions):
+        if not 0 <= version <= MAX_VERSION:
+            raise ValueError(f"policy_version {version} is outside [0, 2^31)")
+
+
+def _values(name: bytes, array: Any, **bounds: float | None) -> None:
+    """``check_values`` on a decoded field, raising DecodeError that names the field."""
+    try:
+        check_values(f"field {name.decode()!r}", array, **bounds)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+
+
+def _check_trajectory_values(fields: Mapping[bytes, bytes], lengths: list[int],
+                             vocab_size: int | None) -> Any:
+    """Check a trajectory's arrays (sizes and values, whole group at once); returns
+    (prompt ids, completion ids, logprobs, loss mask, token versions or None) as views."""
+    if min(lengths, default=0) < 0:
+        raise DecodeError("field 'lengths' has a negative length")
+    if min(lengths, default=1) == 0:
+        raise DecodeError("field 'lengths' has an empty completion: each has at least one "
+                          "token")
+    total = sum(lengths)
+    prompt_ids = _whole_array(fields, b"prompt_ids", _I32)
+    ids = _array(fields, b"completion_ids", _I32, total)
+    logprobs = _array(fields, b"logprobs", _F32, total)
+    masks = _array(fields, b"loss_mask", _U8, total)
+    versions = None
+    if b"token_versions" in fields:
+        versions = _array(fields, b"token_versions", _I32, total)
+    high = None if vocab_size is None else vocab_size - 1
+    _values(b"prompt_ids", prompt_ids, low=0, high=high)
+    try:
+        check_tokens(completion_ids=ids, logprobs=logprobs, loss_mask=masks,
+                     token_versions=versions, vocab_size=vocab_size, label="field '{}'")
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+    return prompt_ids, ids, logprobs, masks, versions
+
+
+def _check_score_values(fields: Mapping[bytes, bytes], rewards: Any, advantages: Any,
+                        total: int) -> tuple[Any, Any]:
+    """Check a scored entry's arrays; returns (token advantages, token rewards), each the
+    whole group's array or None when absent."""
+    _values(b"rewards", rewards)
+    _values(b"advantages", advantages)
+    token_advantages = token_rewards = None
+    if b"token_advantages" in fields:
+        token_advantages = _array(fields, b"token_advantages", _F32, total)
+        _values(b"token_advantages", token_advantages)
+    if b"token_rewards" in fields:
+        token_rewards = _array(fields, b"token_rewards", _F32, total)
+        _values(b"token_rewards", token_rewards)
+    return token_advantages, token_rewards
 
 
 def _array(fields: Mapping[bytes, bytes], name: bytes, dtype: np.dtype[Any], count: int) -> Any:
@@ -223,7 +319,8 @@ def _meta_model(model: type[BaseModel], exclude: set[str], name: str,
     }
     fields.update(extra)
     typed = TypedDict(name, fields)
-    typed.__pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[attr-defined]
+    typed.__pydantic_config__ = ConfigDict(  # type: ignore[attr-defined]
+        extra="forbid", allow_inf_nan=False)
     return typed
 
 
@@ -265,8 +362,13 @@ def _assemble(model: type[M], values: dict[str, Any]) -> M:
 
 
 def _validated(adapter: TypeAdapter[Any], fields: Mapping[bytes, bytes], name: bytes) -> Any:
+    # orjson parses strict JSON: NaN, Infinity and numbers that overflow a double (1e999)
+    # are errors, in free-form fields (metadata, info…) too, which pydantic's own parser
+    # would read as floats. Costs ~8 µs for a 16-completion group's meta over validate_json.
     try:
-        return adapter.validate_json(_field(fields, name))
+        return adapter.validate_python(orjson.loads(_field(fields, name)))
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"field {name.decode()!r} is invalid JSON: {_short(exc)}") from None
     except ValidationError as exc:
         raise DecodeError(f"field {name.decode()!r} is invalid: {_short(exc)}") from None
 
@@ -288,19 +390,18 @@ def _texts(fields: Mapping[bytes, bytes], count: int) -> list[str]:
         raise DecodeError("field 'texts' is not UTF-8") from None
 
 
-def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
+def _decode_trajectory(fields: Mapping[bytes, bytes], run: str | None,
+                       vocab_size: int | None) -> TrajectoryGroup:
     lengths = _whole_array(fields, b"lengths", _I32).tolist()
-    if min(lengths, default=0) < 0:
-        raise DecodeError("field 'lengths' has a negative length")
+    prompt_ids, all_ids, all_logprobs, all_masks, all_versions = _check_trajectory_values(
+        fields, lengths, vocab_size)
     offsets = _offsets(lengths)
-    total = offsets[-1]
-    prompt_ids = _whole_array(fields, b"prompt_ids", _I32)
-    ids = _split(_array(fields, b"completion_ids", _I32, total), offsets)
-    logprobs = _split(_array(fields, b"logprobs", _F32, total), offsets)
-    masks = _split(_array(fields, b"loss_mask", _U8, total), offsets)
+    ids = _split(all_ids, offsets)
+    logprobs = _split(all_logprobs, offsets)
+    masks = _split(all_masks, offsets)
     versions: list[Any] = [None] * len(lengths)
-    if b"token_versions" in fields:
-        versions = _split(_array(fields, b"token_versions", _I32, total), offsets)
+    if all_versions is not None:
+        versions = _split(all_versions, offsets)
     texts = _texts(fields, len(lengths))
     meta = _validated(_TRAJECTORY_META, fields, b"meta")
     if len(meta["completions"]) != len(lengths):
@@ -316,14 +417,21 @@ def _decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
     if not completions:
         raise DecodeError("invalid trajectory group: it has no completions")
     try:
+        version = _field(fields, b"policy_version")
+        if not _VERSION_TEXT.fullmatch(version):
+            raise ValueError(f"field 'policy_version' is not a decimal integer: "
+                             f"{version[:24]!r}")
         identity = _IDENTITY.validate_python({
             "group_id": _text(fields, b"group_id"),
             "run": _text(fields, b"run"),
             "env": _text(fields, b"env"),
-            "policy_version": int(_field(fields, b"policy_version")),
+            "policy_version": int(version),
         })
     except (ValidationError, ValueError) as exc:
         raise DecodeError(f"invalid trajectory group: {_short(exc)}") from None
+    if run is not None and identity["run"] != run:
+        raise DecodeError(f"field 'run' is {identity['run'][:80]!r}, but the entry is in a "
+                          f"stream of run {run!r}")
     del meta["completions"]
     return _assemble(TrajectoryGroup, {
         "v": SCHEMA_VERSION, "kind": "traj", **identity,
@@ -336,15 +444,14 @@ def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -
     n, total = len(lengths), offsets[-1]
     rewards = _array(fields, b"rewards", _F32, n)
     advantages = _array(fields, b"advantages", _F32, n)
-    if not (np.isfinite(rewards).all() and np.isfinite(advantages).all()):
-        raise DecodeError("rewards or advantages are not finite")
-    if b"token_advantages" in fields:
-        token_advantages = _split(_array(fields, b"token_advantages", _F32, total), offsets)
+    all_advantages, all_rewards = _check_score_values(fields, rewards, advantages, total)
+    if all_advantages is not None:
+        token_advantages = _split(all_advantages, offsets)
     else:
         token_advantages = broadcast(advantages, lengths)
     token_rewards: list[Any] = [None] * n
-    if b"token_rewards" in fields:
-        token_rewards = _split(_array(fields, b"token_rewards", _F32, total), offsets)
+    if all_rewards is not None:
+        token_rewards = _split(all_rewards, offsets)
     meta = _validated(_SCORE_META, fields, b"score_meta")
     if len(meta["components"]) != n:
         raise DecodeError(f"score_meta has {len(meta['components'])} component maps for "
@@ -385,11 +492,14 @@ def join_trajectory(scored: Mapping[bytes, bytes], trajectory: Mapping[bytes, by
     return fields
 
 
-def decode(fields: Mapping[bytes, bytes]) -> Message:
+def decode(fields: Mapping[bytes, bytes], *, run: str | None = None,
+           vocab_size: int | None = None) -> Message:
     """Decode stream entry fields into a ``TrajectoryGroup`` or ``ScoredGroup`` (a scored
     entry in its inline form: see ``join_trajectory``).
 
-    Arrays are zero-copy, read-only views of the entry's bytes.
+    Arrays are zero-copy, read-only views of the entry's bytes. ``run``: the run of the
+    stream the entry was read from (the key says it), which the entry's ``run`` must be.
+    ``vocab_size``: the model's vocabulary size, which every token id must be below.
     """
     check_version(fields)
     kind = _field(fields, b"kind")
@@ -399,23 +509,25 @@ def decode(fields: Mapping[bytes, bytes]) -> Message:
         raise DecodeError(
             f"scored entry names traj entry {fields[TRAJECTORY_REF][:40]!r}: join it first "
             "(schemas.join_trajectory)")
-    trajectory = _decode_trajectory(fields)
+    trajectory = _decode_trajectory(fields, run, vocab_size)
     if kind == b"traj":
         return trajectory
     return _decode_scored(fields, trajectory)
 
 
-def decode_trajectory(fields: Mapping[bytes, bytes]) -> TrajectoryGroup:
-    """Decode an entry that must be a trajectory group."""
-    message = decode(fields)
+def decode_trajectory(fields: Mapping[bytes, bytes], *, run: str | None = None,
+                      vocab_size: int | None = None) -> TrajectoryGroup:
+    """Decode an entry that must be a trajectory group (``decode``'s checks)."""
+    message = decode(fields, run=run, vocab_size=vocab_size)
     if not isinstance(message, TrajectoryGroup):
         raise DecodeError(f"expected a trajectory group, got kind {message.kind!r}")
     return message
 
 
-def decode_scored(fields: Mapping[bytes, bytes]) -> ScoredGroup:
-    """Decode an entry that must be a scored group."""
-    message = decode(fields)
+def decode_scored(fields: Mapping[bytes, bytes], *, run: str | None = None,
+                  vocab_size: int | None = None) -> ScoredGroup:
+    """Decode an entry that must be a scored group (``decode``'s checks)."""
+    message = decode(fields, run=run, vocab_size=vocab_size)
     if not isinstance(message, ScoredGroup):
         raise DecodeError(f"expected a scored group, got kind {message.kind!r}")
     return message

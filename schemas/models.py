@@ -6,16 +6,24 @@ are never split in transit, so group statistics (GRPO advantages) are always com
 Token ids come from the inference server and are never re-tokenised. In a multi-turn
 episode the completion holds every token after the prompt — model turns and the env's
 observations in order — and ``loss_mask`` marks which of them the model generated.
+
+Values are part of the contract, not only shapes (``check_tokens``, ``check_json``): token
+ids are >= 0 (and below the vocabulary size where a reader knows it), logprobs finite and
+<= 0, loss masks 0 or 1, policy versions in [0, 2^31), every completion has a token, every
+float (rewards, advantages, per-token values, times, metadata numbers) is finite, and
+metadata holds nothing JSON cannot carry. The models check them when built; the codec
+checks them again in both directions, since decoding assembles models without validation.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.arrays import Floats, Mask, TokenIds
+from schemas.arrays import MAX_VERSION, Floats, Mask, TokenIds, check_values
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -23,8 +31,57 @@ SCHEMA_VERSION = 1
 """Version written into every entry's ``v`` field. Bump on any incompatible change."""
 
 
+_JSON_INTS = (-(2**63), 2**64 - 1)  # what orjson reads and writes
+
+
+def check_tokens(*, completion_ids: Any, logprobs: Any, loss_mask: Any,
+                 token_versions: Any = None, vocab_size: int | None = None,
+                 label: str = "{}") -> None:
+    """Raise ValueError naming the field unless per-token arrays hold valid values.
+
+    Works on one completion's arrays or on a whole group's, concatenated (the codec's
+    case: one vectorised pass per field per group). ``vocab_size``, when given, bounds
+    the token ids. Logprobs are the sampler's log-probabilities, so never above 0 (env
+    tokens carry 0.0). ``label`` formats a field name for the message.
+    """
+    check_values(label.format("completion_ids"), completion_ids, low=0,
+                 high=None if vocab_size is None else vocab_size - 1)
+    check_values(label.format("logprobs"), logprobs, high=0.0)
+    check_values(label.format("loss_mask"), loss_mask, high=1)
+    if token_versions is not None:
+        check_values(label.format("token_versions"), token_versions, low=0, high=MAX_VERSION)
+
+
+def check_json(name: str, value: Any) -> None:
+    """Raise ValueError naming ``name`` where a JSON-carried value holds what JSON cannot
+    carry faithfully: a NaN or infinite number, or an integer beyond 64 bits."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        kind = type(item)  # exact types first: this runs on every encode
+        if kind is str or item is None or kind is bool:
+            continue
+        if kind is dict:
+            stack.extend(item.values())
+        elif kind is list or kind is tuple:
+            stack.extend(item)
+        elif kind is float or isinstance(item, float | np.floating):
+            if not math.isfinite(item):
+                raise ValueError(f"{name} holds a non-finite number ({item})")
+        elif kind is int or isinstance(item, int | np.integer):
+            if not _JSON_INTS[0] <= item <= _JSON_INTS[1]:
+                raise ValueError(f"{name} holds an integer beyond 64 bits")
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+        elif isinstance(item, np.ndarray) and item.dtype.kind == "f":
+            check_values(name, item)
+
+
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
+                              allow_inf_nan=False)
 
 
 class Completion(_Frozen):
@@ -40,11 +97,11 @@ class Completion(_Frozen):
     Tokens the model did not generate (env observations) carry 0.0."""
     loss_mask: Mask
     """1 for tokens the model generated (trainable), 0 for env/tool tokens (uint8)."""
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
     """Policy version the generation started under (the trainer's optimizer step)."""
     token_versions: TokenIds | None = None
-    """Per-token policy versions (int32), present only when the version changed mid-generation;
-    when absent every token was generated under ``policy_version``."""
+    """Per-token policy versions (int32, each in [0, 2^31)), present only when the version
+    changed mid-generation; when absent every token was generated under ``policy_version``."""
     finish_reason: str = ""
     """The server's finish reason of the last model turn: ``stop``, ``length``, ``abort``…"""
     text: str = ""
@@ -59,12 +116,18 @@ class Completion(_Frozen):
     """Free-form env information about this sequence (JSON-serialisable)."""
 
     @model_validator(mode="after")
-    def _check_lengths(self) -> Completion:
+    def _check_arrays(self) -> Completion:
         n = len(self.completion_ids)
+        if n == 0:
+            raise ValueError("completion_ids is empty: a completion has at least one token")
         for name in ("logprobs", "loss_mask", "token_versions"):
             array = getattr(self, name)
             if array is not None and len(array) != n:
                 raise ValueError(f"{name} has {len(array)} values for {n} completion tokens")
+        check_tokens(completion_ids=self.completion_ids, logprobs=self.logprobs,
+                     loss_mask=self.loss_mask, token_versions=self.token_versions)
+        check_json("messages", self.messages)
+        check_json("info", self.info)
         return self
 
     @property
@@ -84,10 +147,10 @@ class TrajectoryGroup(_Frozen):
     """Globally unique and stable: a re-run of the same job publishes the same id."""
     run: str = Field(min_length=1)
     env: str = Field(min_length=1)
-    policy_version: int = Field(ge=0)
-    """Policy version the group's generation started under."""
+    policy_version: int = Field(ge=0, le=MAX_VERSION)
+    """Policy version the group's generation started under, in [0, 2^31)."""
     prompt_ids: TokenIds
-    """Prompt token ids (int32), shared by every completion of the group."""
+    """Prompt token ids (int32, >= 0), shared by every completion of the group."""
     prompt_text: str = ""
     prompt_messages: list[dict[str, Any]] | None = None
     completions: tuple[Completion, ...] = Field(min_length=1)
@@ -97,6 +160,13 @@ class TrajectoryGroup(_Frozen):
     """Unix time (seconds) the job started."""
     finished_at: float = 0.0
     """Unix time (seconds) the last completion arrived."""
+
+    @model_validator(mode="after")
+    def _check_values(self) -> TrajectoryGroup:
+        check_values("prompt_ids", self.prompt_ids, low=0)
+        check_json("prompt_messages", self.prompt_messages)
+        check_json("metadata", self.metadata)
+        return self
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +189,13 @@ class SequenceScore(_Frozen):
     """Each component's raw (unweighted) value; None where the component skipped."""
     token_rewards: Floats | None = None
     """Per-token rewards (float32) from process rewards, when configured."""
+
+    @model_validator(mode="after")
+    def _check_values(self) -> SequenceScore:
+        check_values("token_advantages", self.token_advantages)
+        if self.token_rewards is not None:
+            check_values("token_rewards", self.token_rewards)
+        return self
 
 
 class ScoredGroup(_Frozen):

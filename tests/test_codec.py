@@ -30,18 +30,18 @@ from schemas import (
 )
 from tests.factories import make_group, score
 
-int32s = st.integers(min_value=-(2**31), max_value=2**31 - 1)
-floats32 = st.floats(width=32, allow_nan=False)
+token_ids = st.integers(min_value=0, max_value=2**31 - 1)
+logprobs32 = st.floats(width=32, allow_nan=False, allow_infinity=False).map(lambda x: -abs(x))
 texts = st.text(max_size=40)
 
 
 @st.composite
 def completions(draw: st.DrawFn) -> Completion:
-    n = draw(st.integers(0, 40))
+    n = draw(st.integers(1, 40))
     versioned = draw(st.booleans())
     return Completion(
-        completion_ids=draw(st.lists(int32s, min_size=n, max_size=n)),
-        logprobs=draw(st.lists(floats32, min_size=n, max_size=n)),
+        completion_ids=draw(st.lists(token_ids, min_size=n, max_size=n)),
+        logprobs=draw(st.lists(logprobs32, min_size=n, max_size=n)),
         loss_mask=draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
         token_versions=draw(st.lists(st.integers(0, 99), min_size=n, max_size=n))
         if versioned
@@ -64,7 +64,7 @@ def groups(draw: st.DrawFn) -> TrajectoryGroup:
         run="run",
         env=draw(st.text(min_size=1, max_size=10)),
         policy_version=draw(st.integers(0, 10**6)),
-        prompt_ids=draw(st.lists(int32s, max_size=30)),
+        prompt_ids=draw(st.lists(token_ids, max_size=30)),
         prompt_text=draw(texts),
         completions=tuple(draw(st.lists(completions(), min_size=1, max_size=5))),
         metadata=draw(st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4)),
@@ -190,9 +190,14 @@ def test_malformed_entries_raise_decode_error(case: str) -> None:
 
 
 def test_unserialisable_metadata_is_a_contract_error() -> None:
-    group = make_group(metadata={"big": 2**70})
+    # The model refuses it when built; encode refuses it in a model built without
+    # validation (model_copy), and names what orjson cannot write.
+    with pytest.raises(ValueError, match="metadata holds an integer beyond 64 bits"):
+        make_group(metadata={"big": 2**70})
     with pytest.raises(ContractError, match="not JSON-serialisable"):
-        encode(group)
+        encode(make_group().model_copy(update={"metadata": {"big": 2**70}}))
+    with pytest.raises(ContractError, match="non-finite number"):
+        encode(make_group().model_copy(update={"metadata": {"x": float("nan")}}))
 
 
 def test_dead_letter_round_trip_keeps_payload_bytes() -> None:

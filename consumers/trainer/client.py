@@ -5,11 +5,21 @@ group ``trainer``. On its first ``next_batch`` it takes back its own pending ent
 consumer name after a restart), then reclaims entries other trainers left idle longer than
 ``reclaim_idle_ms``, then reads new ones. Entries stay pending until ``batch.ack()``.
 
-What happens to an entry before it reaches a batch:
+What happens to an entry before it reaches a batch (no entry can stop the client: whatever
+it cannot handle for one entry is dead-lettered, with the reason ``schemas.failures``
+gives, and the client goes on):
 
-- its trajectory's traj entry is gone: dead-lettered as ``trajectory_missing`` (the
-  reader joins each scored entry with the traj entry it names, see ``consumers.bus``);
-- undecodable / unknown schema version: dead-lettered with the reason (``drop:<reason>``);
+- delivered more than ``max_deliveries`` times (it was handed out and never acked that
+  often, e.g. it crashed the trainer each time): dead-lettered as ``max_deliveries`` by
+  the reader, on re-reads of the client's own pending entries as on reclaims;
+- its ``run`` is not this client's run, or its trajectory's traj entry is gone or cannot
+  be looked up: dead-lettered by the reader (``decode_error``, ``trajectory_missing``);
+- it does not decode, or holds a value the contract forbids (``schemas.codec`` checks
+  values, and token ids against ``vocab_size`` when set): dead-lettered with the reason
+  (``decode_error``, ``unknown_version_error``; ``unexpected_error`` for a bug) and
+  counted (``drop:<reason>``);
+- it decodes but cannot be laid out into a batch (the batch build fails and that group
+  alone fails too): dead-lettered the same way, and the batch is built without it;
 - its ``group_id`` is already in the client's hands or recorded as trained (a re-run of
   a rollout job republished it): acked and counted ``drop:duplicate``; if the recorded
   entry is this very entry (the crash fell between recording and acking), the ack is
@@ -53,12 +63,14 @@ import structlog
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
 from consumers.trainer.errors import ResumeError
+from consumers.trainer.layout import pad_groups
 from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
 from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.staleness import is_stale
 from consumers.trainer.weights import PolicyPublisher
 from schemas import DecodeError, ScoredGroup, decode_scored
+from schemas.failures import decide
 from schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
 
 log = structlog.get_logger("rollq.trainer")
@@ -177,7 +189,11 @@ class TrainerClient:
                                     for h in self._queue])
             remaining = None if deadline is None else deadline - time.monotonic()
             if full or (remaining is not None and remaining <= 0):
-                break
+                chosen = [self._queue.popleft() for _ in range(count)]
+                batch = await self._build(chosen)
+                if batch is not None:
+                    return batch
+                continue  # a group could not be laid out (dead-lettered): fill its place
             # Read no more than the batch still needs (by group count; other limits cannot
             # tell how many groups will fit): decoding far more than one call returns is
             # what made every few calls slow.
@@ -185,9 +201,35 @@ class TrainerClient:
             if size.groups is not None:
                 wanted = min(wanted, size.groups - count)
             await self._fill(remaining, wanted)
-        chosen = [self._queue.popleft() for _ in range(count)]
-        return build_batch([h.group for h in chosen],
-                           [EntryRef(*h.ref) for h in chosen], self, self.settings.pad_token_id)
+
+    async def _build(self, chosen: list[_Held]) -> Batch | None:
+        """The batch of ``chosen``; None when some of them cannot be laid out: those are
+        dead-lettered and the others go back to the front of the queue."""
+        try:
+            return build_batch([h.group for h in chosen], [EntryRef(*h.ref) for h in chosen],
+                               self, self.settings.pad_token_id)
+        except Exception as exc:
+            failed = self._unbuildable(chosen)
+            if not failed:
+                raise  # the batch as a whole failed (e.g. memory), not one group of it
+            log.warning("batch_build_failed", run=self.run, groups=len(chosen),
+                        failed=len(failed), detail=str(exc)[:200])
+        self._queue.extendleft(reversed([h for h in chosen if h not in failed]))
+        for held, exc in failed.items():
+            self._release(held)
+            self._replays.pop(held.ref, None)  # a replay was acked before: nothing to letter
+            await self._reject(held.delivery, exc, refetch=True)
+        return None
+
+    def _unbuildable(self, chosen: list[_Held]) -> dict[_Held, Exception]:
+        """The groups of a batch that fail to lay out on their own, with their errors."""
+        failed: dict[_Held, Exception] = {}
+        for held in chosen:
+            try:
+                pad_groups([held.group], self.settings.pad_token_id)
+            except Exception as exc:
+                failed[held] = exc
+        return failed
 
     async def ack(self, batch: BatchData) -> int:
         """Acknowledge a batch after its optimizer step (``batch.ack()`` calls this).
@@ -336,12 +378,10 @@ class TrainerClient:
             if (d.stream, d.entry_id) in self._held:
                 continue  # already ours (queued, replaying, or in an unacked batch)
             try:
-                candidates.append((d, decode_scored(d.fields)))
-            except DecodeError as exc:
-                reason = _reason(exc)
-                await self.reader.dead_letter(d, reason, str(exc))
-                log.warning("entry_dead_lettered", stream=d.stream, entry_id=d.entry_id,
-                            reason=reason, detail=str(exc))
+                candidates.append((d, decode_scored(d.fields, run=self.run,
+                                                    vocab_size=self.settings.vocab_size)))
+            except Exception as exc:  # DecodeError, or a bug: either way this entry's
+                await self._reject(d, exc)
         recorded = await self._ledger.seen(
             [g.group_id for _, g in candidates if g.group_id not in self._seen])
         duplicates: list[Delivery] = []
@@ -373,6 +413,26 @@ class TrainerClient:
         log.info("groups_dropped", run=self.run, reason="stale", count=len(stale),
                  policy_version=version)
 
+    async def _reject(self, delivery: Delivery, exc: Exception, *, refetch: bool = False) -> None:
+        """Settle an entry this client cannot use, by ``schemas.failures.decide``: dead-letter
+        it with the reason (contract errors and bugs at once), or leave it pending for a
+        later delivery (a transient failure while deliveries remain). ``refetch``: the
+        delivery no longer holds its fields (a decoded group keeps none): the letter
+        carries the entry as stored."""
+        verdict = decide(exc, attempt=delivery.deliveries,
+                         max_attempts=self.settings.max_deliveries, retry_unexpected=False)
+        if verdict.retry:
+            log.warning("entry_left_pending", stream=delivery.stream,
+                        entry_id=delivery.entry_id, reason=verdict.reason,
+                        detail=verdict.detail, deliveries=delivery.deliveries)
+            return
+        if refetch:
+            delivery = replace(delivery, fields=await self.reader.fetch(
+                delivery.stream, delivery.entry_id) or {})
+        lettered = await self.reader.dead_letter(delivery, verdict.reason, verdict.detail)
+        log.warning("entry_dead_lettered", stream=delivery.stream, entry_id=delivery.entry_id,
+                    reason=verdict.reason, detail=verdict.detail, lettered=lettered)
+
     def _hold(self, held: _Held) -> None:
         self._queue.append(held)
         self._held[held.ref] = held
@@ -387,12 +447,6 @@ class TrainerClient:
         self._seen[group_id] = ref
         if len(self._seen) > _SEEN_CACHE:
             del self._seen[next(iter(self._seen))]
-
-
-def _reason(exc: Exception) -> str:
-    """The reason slug the pipeline stages use: DecodeError -> decode_error."""
-    name = type(exc).__name__
-    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
 def _tokens(group: ScoredGroup) -> int:

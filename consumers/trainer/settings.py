@@ -37,9 +37,16 @@ class TrainerClientSettings:
     reclaim_every_s: float = 30.0
     """How often the client looks for abandoned entries (seconds)."""
     max_deliveries: int = 5
-    """Deliveries after which a reclaimed entry is dead-lettered instead of trained on."""
+    """Deliveries after which an entry is dead-lettered (``max_deliveries``) instead of
+    trained on: counted by Redis over reclaims and over this consumer's re-reads of its own
+    pending entries after restarts, so an entry that crashes the trainer every time it is
+    handed out stops coming back."""
     pad_token_id: int = 0
     """Token id written into padding positions of the padded layout."""
+    vocab_size: int | None = None
+    """The model's vocabulary size: a group holding a token id at or above it is
+    dead-lettered (``decode_error``) instead of indexing past the embedding table. None:
+    ids are only checked to be >= 0."""
     partitions: int = 1
     """Partition count to register when the run does not exist yet (the stored count wins)."""
     log_max_len: int = 1_000_000
@@ -53,6 +60,8 @@ class TrainerClientSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be at least 1 or None, got {self.vocab_size}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
         if self.block_ms < 0 or self.http_timeout_s <= 0 or self.reclaim_every_s < 0:
