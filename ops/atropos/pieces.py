@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 _POLY = 0xEDB88320  # CRC-32 (reflected), as zlib
 _HEADER = struct.Struct("<IQI")
@@ -77,8 +77,9 @@ def inflate(piece: bytes) -> bytes:
     return raw
 
 
-def gzip_join(pieces: Sequence[bytes]) -> bytes:
-    """One gzip stream (a single member) of the pieces' bytes, in order."""
+def gzip_chunks(pieces: Sequence[bytes]) -> list[bytes | memoryview]:
+    """One gzip stream (a single member) of the pieces' bytes, in order, as chunks to send
+    one after the other (views of the pieces: nothing is copied)."""
     crc = 0
     total = 0
     for piece in pieces:
@@ -86,10 +87,25 @@ def gzip_join(pieces: Sequence[bytes]) -> bytes:
         crc = _multiply(operator, crc) ^ piece_crc
         total += length
     trailer = struct.pack("<II", crc, total & 0xFFFFFFFF)
-    view = [memoryview(piece)[_HEADER.size:] for piece in pieces]
-    return b"".join([_GZIP_HEADER, *view, _FINAL_BLOCK, trailer])
+    return [_GZIP_HEADER, *(memoryview(piece)[_HEADER.size:] for piece in pieces),
+            _FINAL_BLOCK + trailer]
+
+
+def gzip_join(pieces: Sequence[bytes]) -> bytes:
+    """``gzip_chunks`` joined."""
+    return b"".join(gzip_chunks(pieces))
+
+
+def raw_length(pieces: Sequence[bytes]) -> int:
+    """Bytes the pieces inflate to, from their headers."""
+    return sum(_HEADER.unpack_from(piece)[1] for piece in pieces)
+
+
+def raw_chunks(pieces: Sequence[bytes]) -> Iterator[bytes]:
+    """The pieces' bytes, in order, uncompressed one piece at a time."""
+    return (inflate(piece) for piece in pieces)
 
 
 def raw_join(pieces: Sequence[bytes]) -> bytes:
     """The pieces' bytes, in order, uncompressed."""
-    return b"".join(inflate(piece) for piece in pieces)
+    return b"".join(raw_chunks(pieces))

@@ -25,6 +25,10 @@ class AtroposApiSettings(CommonSettings):
     gzip_level: int = Field(default=1, ge=1, le=9)
     """gzip level of large answers and of each group's ``/batch`` piece, deflated once when
     the group is posted (atroposlib uses 9 per answer; 1 is several times faster)."""
+    piece_cache_mb: int = Field(default=512, ge=0)
+    """Memory of this process for copies of the pieces it posted or read (a 16x2048-token
+    group's piece is ~0.45 MB): a batch of them is joined without reading them back from
+    Redis. 0: always read from Redis."""
     dedup_window_s: int = Field(default=600, ge=0)
     """An identical re-post (same env, tokens and scores) within this many seconds is
     answered ``received`` without storing the group again (atroposlib's env re-posts after

@@ -170,13 +170,44 @@ def _entry_text(entry: Any) -> str:
     return entry.decode() if isinstance(entry, bytes) else str(entry)
 
 
+class _PieceCache:
+    """This process's copies of recent pieces (the ones it posted or read), oldest
+    dropped beyond ``budget`` bytes: a batch of groups posted here is joined without
+    reading them back from Redis (Redis keeps the copy every process can read)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.size = 0
+        self._pieces: OrderedDict[Ref, bytes] = OrderedDict()
+
+    def get(self, ref: Ref) -> bytes | None:
+        return self._pieces.get(ref)
+
+    def put(self, ref: Ref, piece: bytes) -> None:
+        self.pop(ref)
+        self._pieces[ref] = piece
+        self.size += len(piece)
+        while self.size > self.budget and self._pieces:
+            self.size -= len(self._pieces.popitem(last=False)[1])
+
+    def pop(self, ref: Ref) -> None:
+        piece = self._pieces.pop(ref, None)
+        if piece is not None:
+            self.size -= len(piece)
+
+    def clear(self) -> None:
+        self._pieces.clear()
+        self.size = 0
+
+
 class AtroposStore:
     """One run's Atropos API state; ``async with AtroposStore(...)``."""
 
     def __init__(self, redis: aioredis.Redis, run: str, *, rewards: RewardSource = "env",
                  consumer_group: str = "atropos", partitions: int = 1,
                  lock_timeout_s: float = 30.0, cache_groups: int = 4096,
-                 gzip_level: int = 1, dedup_window_s: int = 600) -> None:
+                 gzip_level: int = 1, dedup_window_s: int = 600,
+                 piece_cache_bytes: int = 512 << 20) -> None:
         self.redis = redis
         self.run = run
         self.rewards = rewards
@@ -191,6 +222,7 @@ class AtroposStore:
         self._envs = run_key(run, "atropos:envs")
         self._lock = run_key(run, "atropos:lock")
         self._cache: OrderedDict[Ref, _Held] = OrderedDict()
+        self._pieces_kept = _PieceCache(piece_cache_bytes)
         self._reader: StreamReader | None = None
         self._local_lock = asyncio.Lock()
 
@@ -204,6 +236,7 @@ class AtroposStore:
 
     async def __aexit__(self, *exc: object) -> None:
         self._cache.clear()
+        self._pieces_kept.clear()
 
     @property
     def reader(self) -> StreamReader:
@@ -310,6 +343,8 @@ class AtroposStore:
                 log.info("group_repost_acknowledged", run=self.run, digest=entry.digest)
             else:
                 last = (entry.stream, entry_id)
+                if entry.piece:
+                    self._pieces_kept.put((entry.stream, _entry_text(entry_id)), entry.piece)
         if last is not None:
             async with translated_errors("recording the latest group"):
                 await self.redis.hset(self._state, "latest",
@@ -410,9 +445,10 @@ class AtroposStore:
     async def _pieces(self, held: dict[Ref, _Held], *, load: bool = False) -> dict[Ref, bytes]:
         """Make sure every held group has its piece in Redis, building the missing ones
         (groups this API did not post); with ``load``, return them all."""
-        if not held:
-            return {}
-        refs = list(held)
+        kept = {ref: piece for ref in held if (piece := self._pieces_kept.get(ref)) is not None}
+        refs = [ref for ref in held if ref not in kept]
+        if not refs:
+            return kept if load else {}
         async with translated_errors("reading batch pieces"):
             pipe = self.redis.pipeline(transaction=False)
             for stream, entry in refs:
@@ -433,7 +469,13 @@ class AtroposStore:
                 await pipe.execute()
             log.info("batch_pieces_built", run=self.run, groups=len(built))
             found.update(built)
-        return found if load else {}
+            for ref, piece in built.items():
+                self._pieces_kept.put(ref, piece)
+        if not load:
+            return {}
+        for ref, piece in found.items():
+            self._pieces_kept.put(ref, piece)
+        return {**kept, **found}
 
     async def _hold(self, delivery: Delivery) -> _Held | None:
         ref = (delivery.stream, delivery.entry_id)
@@ -577,6 +619,7 @@ class AtroposStore:
             await pipe.execute()
         for ref in refs:
             self._cache.pop(ref, None)
+            self._pieces_kept.pop(ref)
         if refs:
             log.info("batch_acked", run=self.run, groups=len(refs), consumed=acked)
         return acked
@@ -634,6 +677,7 @@ class AtroposStore:
                     await self.redis.hincrby(counters_key(self.run, 0), DROP_PREFIX + "reset",
                                              buffered)
             self._cache.clear()
+            self._pieces_kept.clear()
             log.info("atropos_reset", run=self.run, dropped=dropped, buffered=buffered)
             return dropped + buffered
 

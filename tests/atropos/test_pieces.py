@@ -102,3 +102,16 @@ async def test_empty_optional_lists_come_back_as_posted(redis: aioredis.Redis) -
         assert (await client.post("/scored_data", json=group)).status_code == 200
         batch = (await client.get("/batch")).json()["batch"]
     assert batch == [server.ScoredData.model_validate(group).model_dump()]
+
+
+def test_the_process_piece_cache_keeps_the_newest_within_its_budget() -> None:
+    from ops.atropos.store import _PieceCache
+
+    cache = _PieceCache(budget=10)
+    for i in range(4):
+        cache.put(("s", str(i)), b"x" * 4)
+    assert [cache.get(("s", str(i))) for i in range(4)] == [None, None, b"xxxx", b"xxxx"]
+    assert cache.size == 8
+    cache.pop(("s", "3"))
+    cache.put(("s", "2"), b"yy")  # replaced, not counted twice
+    assert (cache.size, cache.get(("s", "2"))) == (2, b"yy")

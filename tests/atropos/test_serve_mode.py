@@ -14,12 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-import requests
 
 from tests.atropos.helpers import REGISTRATION, ApiProcess, Process, until
 from tests.redis_server import RedisServer, free_port
 
 pytest.importorskip("atroposlib", reason="atroposlib is not installed (pip install rollq[atropos])")
+requests = pytest.importorskip("requests", reason="the example trainer's HTTP client")
 
 GROUP_SIZE = 4  # tests.atropos.atropos_envs.GROUP_SIZE (not imported: it imports atroposlib)
 

@@ -38,8 +38,12 @@ def apis(redis_server: RedisServer, tmp_path: Path) -> Iterator[list[ApiProcess]
 
 @pytest.mark.slow
 def test_two_api_processes_serve_one_run(apis: list[ApiProcess]) -> None:
-    a, b = (httpx.Client(base_url=api.url, timeout=30) for api in apis)
-    clients = [a, b]
+    with httpx.Client(base_url=apis[0].url, timeout=30) as a, \
+            httpx.Client(base_url=apis[1].url, timeout=30) as b:
+        _alternate([a, b])
+
+
+def _alternate(clients: list[httpx.Client]) -> None:
 
     def call(i: int, method: str, path: str, body: Any = None) -> Any:
         return clients[i % 2].request(method, path, json=body).json()
@@ -75,5 +79,3 @@ def test_two_api_processes_serve_one_run(apis: list[ApiProcess]) -> None:
     assert call(8, "GET", "/batch") == {"batch": None}
     assert sorted(m for batch in handed for m in batch) == [*range(1, 17)]  # each once
     assert call(0, "GET", "/status")["queue_size"] == call(1, "GET", "/status")["queue_size"] == 0
-    for client in clients:
-        client.close()
