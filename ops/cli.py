@@ -78,8 +78,9 @@ def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str,
 
 
 def redis_client(settings: CommonSettings) -> aioredis.Redis:
-    client: aioredis.Redis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
-    return client
+    from ops.connections import open_redis
+
+    return open_redis(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -142,19 +143,26 @@ def explain(exc: BaseException, args: argparse.Namespace,
         or "redis://127.0.0.1:6379/0"))
     if isinstance(exc, ConfigError):
         return Exit.CONFIG, str(exc)
+    if any(isinstance(e, redis_errors.AuthenticationError | redis_errors.AuthorizationError |
+                      redis_errors.NoPermissionError) for e in _chain(exc)):
+        return Exit.CONFIG, (f"Redis at {redis_url} refused the credentials or the command: "
+                             f"{_cause(exc)}; check the URL's user and password and the ACL")
     if isinstance(exc, BrokerUnavailable | redis_errors.ConnectionError |
                   redis_errors.TimeoutError | ConnectionError):
         return Exit.UNAVAILABLE, (
             f"cannot reach Redis at {redis_url}: {_cause(exc)}; start a server "
             "(redis-server) or point --redis-url / ROLLQ_REDIS_URL at one")
-    if isinstance(exc, redis_errors.AuthenticationError | redis_errors.AuthorizationError |
-                  redis_errors.NoPermissionError):
-        return Exit.CONFIG, (f"Redis at {redis_url} refused the credentials or the command: "
-                             f"{_cause(exc)}; check the URL's user and password and the ACL")
     if isinstance(exc, InferenceUnavailable):
         return Exit.UNAVAILABLE, f"inference unavailable: {_cause(exc)}"
     return Exit.FAILURE, (f"{getattr(args, 'command', 'command')} failed: {describe(exc)} "
                           "(run with --log-level debug for the traceback)")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    found = [exc]
+    while found[-1].__cause__ is not None and len(found) < 10:
+        found.append(found[-1].__cause__)
+    return found
 
 
 def _cause(exc: BaseException) -> str:

@@ -50,7 +50,7 @@ async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     settings: CommonSettings = settings_for(CommonSettings, args, environ)
     redis = redis_client(settings)
-    stop = stop_on_signals()
+    stop = stop_on_signals() if args.watch else asyncio.Event()
     try:
         previous = None
         # --watch rides out Redis restarts like every long-running role; one shot does not.

@@ -119,8 +119,10 @@ async def find(redis: aioredis.Redis, run: str, entry_id: str) -> Letter | None:
 
 
 async def requeue(redis: aioredis.Redis, redis_url: str, run: str,
-                  chosen: Sequence[Letter]) -> list[tuple[Letter, str]]:
-    """Requeue letters; returns (letter, what happened) for each."""
+                  chosen: Sequence[Letter],
+                  options: Mapping[str, Any] | None = None) -> list[tuple[Letter, str]]:
+    """Requeue letters; returns (letter, what happened) for each (``options``: the TLS
+    options of ``ops.connections.redis_options``, for the arq queue)."""
     script = redis.register_script(_REQUEUE)
     results: list[tuple[Letter, str]] = []
     queue = None
@@ -133,7 +135,7 @@ async def requeue(redis: aioredis.Redis, redis_url: str, run: str,
             drop = DROP_PREFIX + item.letter.reason
             if item.is_job:
                 if queue is None:
-                    queue = await connect_queue(redis_url)
+                    queue = await connect_queue(redis_url, options)
                 run_name, env, position = _job_parts(item.letter.source_id)
                 if run_name != run:
                     results.append((item, f"skipped: the job belongs to run {run_name!r}"))
@@ -238,13 +240,16 @@ async def command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
             else:
                 print(render_list(found))
             return int(Exit.OK)
-        return await _requeue(redis, settings.redis_url, settings.run, args, since, until, Exit)
+        return await _requeue(redis, settings, args, since, until, Exit)
     finally:
         await redis.aclose()
 
 
-async def _requeue(redis: aioredis.Redis, redis_url: str, run: str, args: argparse.Namespace,
+async def _requeue(redis: aioredis.Redis, settings: Any, args: argparse.Namespace,
                    since: float | None, until: float | None, exit_codes: Any) -> int:
+    from ops.connections import redis_options
+
+    run = settings.run
     if not args.ids and not args.all:
         print("rollq: name the letters to requeue (IDs) or pass --all with filters",
               file=sys.stderr)
@@ -273,7 +278,8 @@ async def _requeue(redis: aioredis.Redis, redis_url: str, run: str, args: argpar
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing requeued")
             return int(exit_codes.OK)
-    for item, outcome in await requeue(redis, redis_url, run, found):
+    for item, outcome in await requeue(redis, settings.redis_url, run, found,
+                                       redis_options(settings)):
         print(f"{item.entry_id} {item.letter.reason} {item.group_id}: {outcome}")
     return int(exit_codes.OK)
 

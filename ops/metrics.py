@@ -57,11 +57,13 @@ def _require() -> None:
 class RunCollector:
     """Run-wide series read from Redis at each scrape (see the module doc)."""
 
-    def __init__(self, redis_url: str, run: str) -> None:
+    def __init__(self, redis_url: str, run: str,
+                 redis_options: dict[str, Any] | None = None) -> None:
         self.run = run
         # Any: redis-py types every command as `Awaitable[T] | T`, sync client or not.
-        self.client: Any = redis.Redis.from_url(redis_url, socket_timeout=5,
-                                                socket_connect_timeout=2)
+        self.client: Any = redis.Redis.from_url(
+            redis_url, **{"socket_timeout": 5, "socket_connect_timeout": 2,
+                          **(redis_options or {})})
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("rollq_redis_up", "1 when the last scrape could read Redis",
@@ -207,12 +209,13 @@ class _Callbacks:
 class RoleMetrics:
     """The ``/metrics`` endpoint of one role process (``serve`` starts it)."""
 
-    def __init__(self, role: str, *, run: str, redis_url: str) -> None:
+    def __init__(self, role: str, *, run: str, redis_url: str,
+                 redis_options: dict[str, Any] | None = None) -> None:
         _require()
         self.registry = CollectorRegistry(auto_describe=False)
         self._callbacks = _Callbacks(role, run)
         self.registry.register(self._callbacks)
-        self.registry.register(RunCollector(redis_url, run))
+        self.registry.register(RunCollector(redis_url, run, redis_options))
         prometheus_client.ProcessCollector(registry=self.registry)
         self._server: Any = None
         self._thread: threading.Thread | None = None

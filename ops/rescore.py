@@ -31,6 +31,7 @@ import structlog
 from consumers.bus import append_entries, read_range, translated_errors
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.consumer import Scorer, config_fingerprint
+from ops.connections import open_redis
 from ops.roles import load_reward_config
 from ops.settings import ScorerSettings
 from producers.publisher import Publisher
@@ -204,7 +205,7 @@ async def rescore(settings: ScorerSettings, into: str, *, progress: Callable[[st
     """Replay the run's stored traj entries through ``settings.reward_config`` into run
     ``into`` (see the module docstring); ``progress`` gets a line after each batch."""
     config = load_reward_config(settings.reward_config, processes=settings.processes)
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    redis = open_redis(settings)
     try:
         # register() returns the partition count in force (the source run exists: the CLI
         # checked; its stored count wins over the default).

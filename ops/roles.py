@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
+from ops.connections import open_redis, redis_options
 from ops.looplag import LoopLagMonitor
 from ops.settings import (
     CommonSettings,
@@ -64,6 +66,8 @@ def stop_on_signals() -> asyncio.Event:
     """An event set by SIGINT or SIGTERM: stop reading, finish the batch in hand, exit."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    if threading.current_thread() is not threading.main_thread():
+        return stop  # signals reach only the main thread (a command run from a test's thread)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
@@ -99,7 +103,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                      trim_every_s: float = 30.0) -> Stage:
     """Score the run's traj streams until ``stop`` (or, with ``burst``, until empty)."""
     config = load_reward_config(settings.reward_config, processes=settings.processes)
-    redis = aioredis.Redis.from_url(settings.redis_url)
+    redis = open_redis(settings)
     try:
         partitions = await _partitions(redis, settings.run, settings.partitions)
         reader = StreamReader(redis, stream_keys(settings.run, partitions, "traj"), "scorers",
@@ -165,7 +169,8 @@ async def serve_metrics(settings: CommonSettings, role: str, lag: LoopLagMonitor
         return
     from ops.metrics import RoleMetrics
 
-    metrics = RoleMetrics(role, run=settings.run, redis_url=settings.redis_url)
+    metrics = RoleMetrics(role, run=settings.run, redis_url=settings.redis_url,
+                          redis_options=redis_options(settings))
     metrics.add_gauge("rollq_event_loop_lag_seconds", "p99 event-loop lag over the recent "
                       "window", lambda: lag.snapshot().p99_ms / 1000)
     for register in extra:
@@ -208,7 +213,8 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         group_size=settings.group_size, concurrency=settings.concurrency,
         job_timeout_s=settings.job_timeout_s, max_tries=settings.max_tries,
         request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
-        result_ttl_s=settings.job_result_ttl_s, burst=burst, transport=transport,
+        result_ttl_s=settings.job_result_ttl_s, redis_options=redis_options(settings),
+        burst=burst, transport=transport,
     )
     stopping = asyncio.Event()
     if not burst:
@@ -216,7 +222,7 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop_worker, worker, stopping, sig)
     rider = OutageRider(give_up_s=settings.redis_give_up_s, what="workers", log=log)
-    probe = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
+    probe = open_redis(settings, socket_connect_timeout=2)
     try:
         await _ping(probe)  # at start-up Redis must answer at once (exit 69 otherwise)
         async with LoopLagMonitor("workers"):
@@ -260,8 +266,8 @@ async def _ping(redis: aioredis.Redis) -> None:
 async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
     """Admit rollout jobs until every epoch is admitted or ``stop`` is set."""
     env = make_env(settings.env, **settings.env_options)
-    redis = aioredis.Redis.from_url(settings.redis_url)
-    queue = await connect_queue(settings.redis_url)
+    redis = open_redis(settings)
+    queue = await connect_queue(settings.redis_url, redis_options(settings))
     try:
         await _partitions(redis, settings.run, settings.partitions)
         plan = FeedPlan(dataset_size=len(env), epochs=settings.epochs,

@@ -46,6 +46,14 @@ class CommonSettings(BaseModel):
     log_format: Literal["auto", "json", "console"] = "auto"
     """``auto``: console in a terminal, JSON otherwise."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    redis_ca_file: Path | None = None
+    """With ``rediss://``: the CA bundle that signed the server's certificate."""
+    redis_cert_file: Path | None = None
+    """With ``rediss://``: a client certificate, for servers that require one."""
+    redis_key_file: Path | None = None
+    """With ``rediss://``: the client certificate's private key."""
+    redis_tls_verify: bool = True
+    """With ``rediss://``: verify the server's certificate (turn off only for tests)."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     """Serve Prometheus ``/metrics`` on this port (0: any free port, logged); None: off.
     Needs the ``metrics`` extra."""
