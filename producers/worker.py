@@ -30,7 +30,7 @@ then dead-letters the job (``job_timeout``) without running it again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -69,9 +69,20 @@ def _deserialize(value: bytes) -> Any:
     return msgpack.unpackb(value, raw=False)
 
 
-async def connect_queue(redis_url: str) -> ArqRedis:
+def queue_settings(redis_url: str, options: Mapping[str, Any] | None = None) -> RedisSettings:
+    """arq's connection settings: its DSN parser keeps the user, password and ``rediss``
+    scheme but drops TLS files, so the redis-py ``options`` (``ssl_ca_certs``,
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``) are set on it explicitly."""
+    settings = RedisSettings.from_dsn(redis_url)
+    for name, value in (options or {}).items():
+        if name.startswith("ssl_"):
+            setattr(settings, name, value)
+    return settings
+
+
+async def connect_queue(redis_url: str, options: Mapping[str, Any] | None = None) -> ArqRedis:
     """An arq connection for enqueueing (the feeder) with rollq's serializer."""
-    return await create_pool(RedisSettings.from_dsn(redis_url), job_serializer=_serialize,
+    return await create_pool(queue_settings(redis_url, options), job_serializer=_serialize,
                              job_deserializer=_deserialize)
 
 
@@ -158,6 +169,7 @@ def build_worker(
     poll_s: float = 0.02,
     retry_base_s: float = 1.0,
     result_ttl_s: float = 600.0,
+    redis_options: Mapping[str, Any] | None = None,
     transport: Any = None,
 ) -> Worker:
     """An arq ``Worker`` that runs rollout jobs of ``run``; ``await worker.main()`` runs it,
@@ -166,7 +178,7 @@ def build_worker(
     async def startup(ctx: dict[str, Any]) -> None:
         if "runner" in ctx:  # arq runs on_startup on every main(); keep the first clients
             return
-        redis = aioredis.Redis.from_url(redis_url)
+        redis = aioredis.Redis.from_url(redis_url, **(redis_options or {}))
         publisher = Publisher(redis, run, partitions)
         try:  # Redis first: a failed start-up (Redis away) leaves nothing open behind
             await publisher.register()
@@ -200,7 +212,7 @@ def build_worker(
     return Worker(
         functions=[func(_rollout, name=JOB_FUNCTION, timeout=arq_timeout_s,
                         max_tries=max_tries + EXTRA_TRIES)],
-        redis_settings=RedisSettings.from_dsn(redis_url),
+        redis_settings=queue_settings(redis_url, redis_options),
         queue_name=queue_name(run),
         max_jobs=concurrency,
         job_timeout=arq_timeout_s,
