@@ -23,10 +23,12 @@ import redis.exceptions as redis_errors
 import structlog
 
 from consumers.bus import ReaderSettings, StreamReader, trim_streams
+from consumers.housekeeping import forget_idle_consumers, trim_dead
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
+from consumers.trainer.client import TRAINER_GROUP
 from ops.connections import open_redis, redis_options
 from ops.looplag import LoopLagMonitor
 from ops.settings import (
@@ -132,6 +134,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                     trimmed_at = time.monotonic()
                     await trim_streams(redis, [*reader.streams, *stream_keys(
                         settings.run, partitions, "scored")], int(settings.retention_s * 1000))
+                    await housekeeping(redis, settings, partitions, reader.consumer)
 
             async with LoopLagMonitor("scorer") as lag, serve_metrics(
                     settings, "scorer", lag, stage_metrics(stage)):
@@ -145,6 +148,21 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
             return stage
     finally:
         await redis.aclose()
+
+
+async def housekeeping(redis: aioredis.Redis, settings: ScorerSettings, partitions: int,
+                       consumer: str) -> None:
+    """What keeps a long run flat besides trimming: dead letters past their retention, and
+    consumers that restarted roles left behind (see ``consumers.housekeeping``)."""
+    idle_ms = int(settings.consumer_idle_s * 1000)
+    removed = await forget_idle_consumers(redis, stream_keys(settings.run, partitions, "traj"),
+                                          "scorers", idle_ms, keep=consumer)
+    removed += await forget_idle_consumers(
+        redis, stream_keys(settings.run, partitions, "scored"), TRAINER_GROUP, idle_ms)
+    dead = await trim_dead(redis, stream_keys(settings.run, partitions, "dead"),
+                           int(settings.dead_retention_s * 1000))
+    if removed or dead:
+        log.info("housekeeping_done", consumers_removed=removed, dead_letters_trimmed=dead)
 
 
 def stage_metrics(stage: Stage) -> Callable[[RoleMetrics], None]:

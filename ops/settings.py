@@ -107,6 +107,12 @@ class ReaderTuning(CommonSettings):
     """Keep acknowledged entries this long (seconds) before trimming them: raw groups for
     ``rollq rescore``, scored groups for a trainer resuming from a checkpoint (keep it above
     the checkpoint interval). Unacknowledged entries are never trimmed."""
+    dead_retention_s: float = Field(default=7 * 86400.0, ge=0)
+    """Keep dead letters this long (seconds) for inspection and ``rollq dead requeue``;
+    their ``drop:<reason>`` counts stay."""
+    consumer_idle_s: float = Field(default=3600.0, gt=0)
+    """A consumer idle this long (seconds) with nothing pending is removed from its group
+    (restarted roles under the default host-pid name leave one behind each time)."""
 
 
 class ScorerSettings(ReaderTuning):
