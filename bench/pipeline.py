@@ -162,7 +162,8 @@ def build_roles(redis_url: str, inference: str, directory: Path,
            "ROLLQ_JOB_TIMEOUT_S": str(options.job_timeout_s), "ROLLQ_MAX_TRIES": "5",
            "ROLLQ_REDIS_GIVE_UP_S": "120", "ROLLQ_BLOCK_MS": "200",
            "ROLLQ_REQUEST_TIMEOUT_S": "10", "ROLLQ_RETENTION_S": str(options.retention_s),
-           "ROLLQ_JOB_RESULT_TTL_S": str(options.retention_s)}
+           "ROLLQ_JOB_RESULT_TTL_S": str(options.retention_s),
+           "ROLLQ_CONSUMER_IDLE_S": str(max(10.0, options.retention_s))}
     reward = directory / "reward.yaml"
     reward.write_text(REWARD)
     rollq = [sys.executable, "-m", "ops.cli"]
