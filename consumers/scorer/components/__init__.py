@@ -14,6 +14,7 @@ from consumers.scorer.components.base import (
     Score,
 )
 from consumers.scorer.components.char_fraction import CharFraction
+from consumers.scorer.components.code import CodeExecution
 from consumers.scorer.components.env_score import EnvScore
 from consumers.scorer.components.format import (
     Format,
@@ -51,6 +52,7 @@ COMPONENTS: dict[str, type[RewardComponent[Any]]] = {
     "reasoning_steps": ReasoningSteps,
     "process": ProcessReward,
     "char_fraction": CharFraction,
+    "code": CodeExecution,
     "env_score": EnvScore,
 }
 """Built-in component type names, as written in a config's `component` field."""

@@ -1,0 +1,473 @@
+"""The `code` reward: a candidate's program against test cases, in a sandbox.
+
+Whatever the candidate does is a score (0, partial or 1), never an error; a failure of
+the sandbox itself is `RewardError("sandbox_error")`; bad settings are `ConfigError`.
+After every test no process of the sandbox uid is left and this process has no child.
+The fork bomb runs last and only after a harmless probe showed the process limit holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+import time
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from consumers.scorer import RewardBridge, RewardConfig, RewardError
+from consumers.scorer.components.code import (
+    CodeExecution,
+    CodeSettings,
+    extract_code,
+    parse_tests,
+    same_output,
+)
+from consumers.scorer.errors import ConfigError, MissingFieldError
+from consumers.scorer.sandbox import Sandbox, SandboxLimits, sandbox_processes
+from schemas.failures import REWARD_ERROR, classify
+from tests.scorer.helpers import make_sample
+
+if os.geteuid() != 0 or not hasattr(os, "pidfd_open"):
+    pytest.skip("the code sandbox needs root on Linux", allow_module_level=True)
+
+UID = 65534
+SPARE_UID = 65533
+REPO = Path(__file__).resolve().parents[2]
+FAST: dict[str, Any] = {"wall_s": 2.0, "cpu_s": 2, "memory_mb": 128, "max_processes": 16,
+                        "max_output_bytes": 64 << 10}
+"""Test settings: short walls (≤ 2 s) and a tiny process limit."""
+
+ADD = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6\n"}]
+
+
+def _processes_of(uid: int) -> list[int]:
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/status") as file:
+                if any(line.split()[1] == str(uid) for line in file if line.startswith("Uid:")):
+                    pids.append(int(entry.name))
+    return pids
+
+
+def _children() -> list[int]:
+    """Our child processes, less multiprocessing's resource tracker (started with the
+    first spawned pool worker, it lives as long as this process)."""
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    found: list[int] = []
+    for task in os.scandir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"{task.path}/children") as file:
+            found += [int(pid) for pid in file.read().split() if int(pid) != tracker]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def unharmed() -> Iterator[None]:
+    """Refuse to start when anything runs as the sandbox uids (their process budget is
+    machine-wide); afterwards, nothing of theirs is left and no child of ours either."""
+    if _processes_of(UID) or _processes_of(SPARE_UID):
+        pytest.skip(f"processes of uid {UID}/{SPARE_UID} are running on this machine")
+    before = set(_children())
+    yield
+    deadline = time.monotonic() + 5
+    while (_processes_of(UID) or _processes_of(SPARE_UID)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _processes_of(UID) == [] and _processes_of(SPARE_UID) == []
+    assert set(_children()) <= before
+
+
+def code(**settings: Any) -> CodeExecution:
+    return CodeExecution(CodeSettings(**{**FAST, **settings}))
+
+
+def fenced(program: str) -> str:
+    return f"<think>easy</think>Here it is:\n```python\n{program}\n```\n"
+
+
+def score(program: str, tests: Any = None, **settings: Any) -> float | None:
+    sample = make_sample(fenced(program), metadata={"tests": ADD if tests is None else tests})
+    return code(**settings).score(sample, [])
+
+
+def run(program: str, stdin: str | None = None, **limits: Any) -> Any:
+    sandbox = Sandbox(limits=SandboxLimits(**{"wall_s": 2.0, "cpu_s": 2,
+                                              "memory_bytes": 128 << 20, **limits}))
+    return sandbox.run({"main.py": program}, stdin=stdin)
+
+
+ADDER = "a, b = map(int, input().split())\nprint(a + b)"
+
+
+# -- verdicts of ordinary programs ----------------------------------------------------------
+
+def test_a_correct_program_scores_one() -> None:
+    assert score(ADDER) == 1.0
+
+
+def test_a_wrong_program_scores_zero() -> None:
+    assert score("a, b = map(int, input().split())\nprint(a - b)") == 0.0
+
+
+def test_a_partly_correct_program_scores_the_fraction_or_nothing() -> None:
+    partial = "a, b = map(int, input().split())\nprint(3)"
+    assert score(partial) == 0.5
+    assert score(partial, scoring="all") == 0.0
+    assert score(ADDER, scoring="all") == 1.0
+
+
+def test_a_syntax_error_scores_zero() -> None:
+    assert score("def broken(:\n    print(1)") == 0.0
+
+
+def test_a_runtime_exception_scores_zero_even_after_the_right_output() -> None:
+    assert score(ADDER + "\nraise ValueError('late')") == 0.0
+    result = run("raise ValueError('boom')")
+    assert result.returncode == 1 and b"ValueError: boom" in result.stderr
+
+
+def test_a_non_zero_exit_scores_zero_even_with_the_right_output() -> None:
+    assert score(ADDER + "\nimport sys\nsys.exit(3)") == 0.0
+    assert run("import sys\nsys.exit(3)").returncode == 3
+
+
+def test_stdin_is_the_case_input_and_empty_otherwise() -> None:
+    assert run("import sys\nprint(sys.stdin.read()[::-1])", stdin="abc").stdout == b"cba\n"
+    assert run("import sys\nprint(repr(sys.stdin.read()))").stdout == b"''\n"
+
+
+def test_unicode_output_is_compared_as_text() -> None:
+    tests = [{"input": "", "output": "héllo wörld ✓ 日本\n"}]
+    assert score("print('héllo wörld ✓ 日本')", tests) == 1.0
+    assert score("print('hello world')", tests) == 0.0
+
+
+@pytest.mark.parametrize(("compare", "actual", "expected", "same"), [
+    ("exact", "3\n", "3\n", True),
+    ("exact", "3 \n", "3\n", False),
+    ("lines", "\n3   \n4\n\n\n", "3\n4", True),
+    ("lines", "3\n\n4\n", "3\n4\n", False),
+    ("lines", " 3\n", "3\n", False),
+    ("tokens", "3  4\n5", "3 4 5\n", True),
+    ("tokens", "34", "3 4", False),
+])
+def test_output_comparison(compare: Any, actual: str, expected: str, same: bool) -> None:
+    assert same_output(actual, expected, compare) is same
+
+
+# -- extraction ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("text", "policy", "expected"), [
+    ("```python\nprint(1)\n```\nthen\n```py\nprint(2)\n```", "fenced_or_whole", "print(2)\n"),
+    ("```python\nprint(1)\n```\n```\nprint(3)\n```", "fenced_or_whole", "print(1)\n"),
+    ("```\nprint(3)\n```", "fenced_or_whole", "print(3)\n"),
+    ("```Python3\nprint(4)\n```", "fenced", "print(4)\n"),
+    ("print(5)", "fenced_or_whole", "print(5)"),
+    ("print(5)", "fenced", None),
+    ("```python\nprint(6)\n```\n```python\nprint(7)", "fenced", "print(6)\n"),  # unclosed
+    ("```python\nprint(8)\n```", "whole", "```python\nprint(8)\n```"),
+])
+def test_extraction_policy(text: str, policy: Any, expected: str | None) -> None:
+    assert extract_code(text, policy) == expected
+
+
+def test_no_code_block_and_an_empty_completion_score_zero() -> None:
+    component = code(extraction="fenced")
+    prose = make_sample("I would add the numbers.", metadata={"tests": ADD})
+    assert component.score(prose, []) == 0.0
+    assert code().score(make_sample("", metadata={"tests": ADD}), []) == 0.0
+    unclosed = make_sample("<think>still thinking " + ADDER, metadata={"tests": ADD})
+    assert code().score(unclosed, []) == 0.0  # the answer region is empty
+
+
+def test_the_code_is_read_from_the_answer_region() -> None:
+    text = "<think>```python\nprint(0)\n```</think>" + fenced(ADDER)
+    assert code().score(make_sample(text, metadata={"tests": ADD}), []) == 1.0
+
+
+# -- test-case formats ----------------------------------------------------------------------
+
+def test_assert_cases_run_after_the_candidate_in_its_namespace() -> None:
+    program = ("def add(a, b):\n    return a + b\n\n"
+               "if __name__ == '__main__':\n    print(add(int(input()), 1))")
+    tests = [{"assert": "assert add(1, 2) == 3"}, {"assert": "assert add(-1, 1) == 0"},
+             {"assert": "assert add(2, 2) == 5"}]
+    assert score(program, tests) == pytest.approx(2 / 3)
+    assert score(program, tests, scoring="all") == 0.0
+
+
+@pytest.mark.parametrize("exit_call", ["import sys; sys.exit(0)", "import os; os._exit(0)"])
+def test_an_early_exit_does_not_pass_assert_cases(exit_call: str) -> None:
+    program = f"def add(a, b):\n    return a - b\n{exit_call}"
+    assert score(program, [{"assert": "assert add(1, 2) == 3"}]) == 0.0
+
+
+def test_both_formats_mix_and_dataset_shapes_parse() -> None:
+    program = "def double(x):\n    return 2 * x\nif __name__ == '__main__':\n    print(double(21))"
+    mixed = [{"input": "", "output": "42"}, {"assert": "assert double(4) == 8"}]
+    assert score(program, mixed) == 1.0
+    assert score(ADDER, '{"inputs": ["1 2\\n", "2 2\\n"], "outputs": ["3\\n", "5\\n"]}') == 0.5
+    assert parse_tests([]) == []
+    assert score(ADDER, tests=[]) is None  # nothing to score against: skipped
+
+
+@pytest.mark.parametrize("bad", [
+    "not json", {"fn_name": "f", "inputs": [], "outputs": []}, [{"input": "1"}],
+    [{"assert": 3}], {"inputs": ["1"], "outputs": []}, 42,
+])
+def test_malformed_cases_are_a_reward_error(bad: Any) -> None:
+    with pytest.raises(RewardError) as caught:
+        parse_tests(bad)
+    assert caught.value.reason == "bad_tests"
+
+
+# -- containment ----------------------------------------------------------------------------
+
+def test_an_infinite_loop_and_a_sleep_are_killed_at_the_wall_limit() -> None:
+    started = time.monotonic()
+    assert score("while True:\n    pass", wall_s=1.0) == 0.0
+    slept = run("import time\ntime.sleep(30)", wall_s=1.0)
+    assert slept.timed_out and slept.returncode is None
+    assert time.monotonic() - started < 2 * (1.0 + 2.0)  # two cases, one run, with grace
+
+
+@pytest.mark.slow  # ~1 s alone; several on a loaded machine
+def test_a_cpu_burner_is_killed_by_the_cpu_limit() -> None:
+    # A generous wall: on a loaded machine 1 CPU second may take several wall seconds.
+    result = run("while True:\n    pass", wall_s=30.0, cpu_s=1)
+    assert not result.timed_out
+    assert result.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
+
+
+def test_a_memory_bomb_fails_its_case() -> None:
+    assert score("x = bytearray(10 ** 10)\nprint(3)", [{"input": "", "output": "3"}]) == 0.0
+    result = run("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))")
+    assert result.returncode == 1 and b"MemoryError" in result.stderr
+
+
+def test_huge_output_is_cut_and_killed() -> None:
+    started = time.monotonic()
+    result = run("while True:\n    print('x' * 4096)", output_bytes=64 << 10)
+    assert result.output_exceeded and len(result.stdout) == 64 << 10
+    assert time.monotonic() - started < 2.0  # killed at the cap, not at the wall
+    assert score("while True:\n    print('3')", [{"input": "", "output": "3"}]) == 0.0
+
+
+def test_writes_outside_the_working_directory_fail() -> None:
+    target = f"rollq-sandbox-escape-{os.getpid()}"
+    program = f"""
+import os
+for path in ["/tmp/{target}", "/var/tmp/{target}", "/dev/shm/{target}", "{REPO}/{target}",
+             "/{target}", "/etc/{target}"]:
+    try:
+        open(path, "w").write("escaped")
+        print("wrote", path)
+    except OSError as exc:
+        print("denied", type(exc).__name__)
+open("inside.txt", "w").write("ok")
+print(open("inside.txt").read())
+"""
+    result = run(program)
+    lines = result.stdout.decode().splitlines()
+    assert lines[:-1] == ["denied " + name for name in
+                          ["OSError", "OSError", "OSError", "PermissionError",
+                           "PermissionError", "PermissionError"]], lines
+    assert lines[-1] == "ok"
+    for path in [f"/tmp/{target}", f"/var/tmp/{target}", f"/dev/shm/{target}",
+                 str(REPO / target), f"/{target}", f"/etc/{target}"]:
+        assert not os.path.exists(path)
+    big = run("open('big', 'wb').write(b'x' * (2 << 20))", file_bytes=1 << 20)
+    assert big.returncode != 0 and b"File too large" in big.stderr
+
+
+def test_a_secret_outside_cannot_be_read() -> None:
+    directory = tempfile.mkdtemp(prefix="rollq-secret-", dir="/var/lib")
+    try:
+        os.chmod(directory, 0o755)
+        secret = Path(directory, "secret")
+        secret.write_text("hunter2")
+        secret.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        result = run(f"print(open({str(secret)!r}).read())")
+        assert result.returncode == 1 and b"PermissionError" in result.stderr
+        assert b"hunter2" not in result.stdout
+        # The run directory of the sandbox itself is out of reach too (its path is hidden).
+        assert run("import os\nprint(os.listdir('/tmp'))").stdout == b"[]\n"
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    yield server
+    server.close()
+
+
+def test_no_network_not_even_loopback(listener: socket.socket) -> None:
+    port = listener.getsockname()[1]
+    program = f"""
+import socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=1)
+    print("connected")
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+    assert score(program, [{"input": "", "output": "connected"}]) == 0.0
+    assert run(program).stdout.startswith(b"refused")
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+
+
+def test_allow_network_gives_the_candidate_the_scorers_network(listener: socket.socket) -> None:
+    port = listener.getsockname()[1]
+    program = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n" \
+              "print('connected')"
+    assert score(program, [{"input": "", "output": "connected"}], allow_network=True) == 1.0
+
+
+def test_the_environment_is_scrubbed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLQ_TEST_SECRET", "hunter2")
+    result = run("import os, sys\nprint(sorted(os.environ), os.getuid(), sys.flags.isolated, "
+                 "sys.flags.no_site)")
+    assert result.stdout == f"['LANG', 'PATH'] {UID} 1 1\n".encode()
+
+
+def test_each_run_holds_its_own_uid() -> None:
+    lock = os.open(os.path.join(tempfile.gettempdir(), f".rollq-sandbox-uid-{UID}.lock"),
+                   os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a concurrent run would
+        sandbox = Sandbox(limits=SandboxLimits(wall_s=2.0), uids=(UID, SPARE_UID))
+        assert sandbox.run({"main.py": "import os\nprint(os.getuid())"}).stdout == \
+            f"{SPARE_UID}\n".encode()
+    finally:
+        os.close(lock)
+
+
+def test_processes_left_behind_are_killed_with_the_run() -> None:
+    program = ("import os, subprocess, time\n"
+               "subprocess.Popen(['/bin/sleep', '60'])\n"
+               "if os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+               "print('bye')")
+    assert run(program).stdout == b"bye\n"
+    assert sandbox_processes(UID) == []  # checked again, with a deadline, by `unharmed`
+
+
+# -- failures of the sandbox and of the configuration ---------------------------------------
+
+def test_a_sandbox_failure_is_a_reward_error_not_a_score(tmp_path: Path) -> None:
+    missing = code(interpreter="/nonexistent/python3")
+    with pytest.raises(RewardError) as caught:
+        missing.score(make_sample(fenced(ADDER), metadata={"tests": ADD}), [])
+    assert caught.value.reason == "sandbox_error"
+    gone = code(work_root=str(tmp_path / "removed"))
+    with pytest.raises(RewardError) as caught:
+        gone.score(make_sample(fenced(ADDER), metadata={"tests": ADD}), [])
+    assert caught.value.reason == "sandbox_error"
+    assert classify(caught.value).reason == REWARD_ERROR
+
+
+async def test_a_sandbox_that_cannot_start_refuses_to_open(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        await code(interpreter="/nonexistent/python3").open()
+    # No CAP_SYS_ADMIN: no namespace can be created.
+    wrapper = tmp_path / "python-without-cap-sys-admin"
+    wrapper.write_text("#!/bin/sh\nexec setpriv --bounding-set=-sys_admin "
+                       "--inh-caps=-sys_admin /usr/bin/python3 \"$@\"\n")
+    wrapper.chmod(0o755)
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    with pytest.raises(ConfigError, match="namespace"):
+        await code(interpreter=str(wrapper)).open()
+    await code().open()  # the real thing opens
+
+
+@pytest.mark.parametrize(("settings", "field"), [
+    ({"wall_s": 0}, "wall_s"), ({"cpu_s": 0}, "cpu_s"), ({"memory_mb": 4}, "memory_mb"),
+    ({"max_processes": 0}, "max_processes"), ({"max_output_bytes": 10}, "max_output_bytes"),
+    ({"sandbox_uids": [0]}, "sandbox_uids"), ({"sandbox_uids": []}, "sandbox_uids"),
+    ({"hidden_paths": ["tmp"]}, "hidden_paths"), ({"scoring": "most"}, "scoring"),
+    ({"timeout": 3}, "timeout"),
+])
+def test_bad_settings_are_config_errors(settings: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"component 'code': settings\.{field}"):
+        RewardConfig.from_mapping({"components": [
+            {"name": "code", "component": "code", "settings": settings}]})
+
+
+def test_a_group_without_tests_is_not_scored() -> None:
+    assert code().required_fields() == ("tests",)
+    assert code(tests_field="cases").required_fields() == ("cases",)
+    with pytest.raises(KeyError):
+        code().score(make_sample(fenced(ADDER)), [])
+
+
+# -- through the bridge -------------------------------------------------------------------
+
+async def test_the_bridge_scores_code_in_a_one_process_pool(tmp_path: Path) -> None:
+    work_root = tmp_path / "runs"
+    work_root.mkdir()
+    config = RewardConfig.from_mapping({
+        "components": [{"name": "code", "component": "code", "timeout_s": 30, "retries": 0,
+                        "settings": {**FAST, "wall_s": 1.0, "work_root": str(work_root)}}],
+        "pool": {"workers": 1}, "advantages": {"zero_variance": "keep"}})
+    async with RewardBridge(config) as bridge:
+        assert bridge._pool is not None
+        group = [bridge.make_sample(fenced(program), [1, 2, 3], metadata={"tests": ADD})
+                 for program in (ADDER, "print(3)", "while True:\n    pass")]
+        result = await bridge.score_group(group)
+        assert result.components["code"] == [1.0, 0.5, 0.0]
+        assert result.flags == ()
+        with pytest.raises(MissingFieldError):
+            await bridge.score_group([bridge.make_sample(fenced(ADDER), [1])])
+        shutil.rmtree(work_root)  # the sandbox breaks under the running scorer
+        with pytest.raises(RewardError) as caught:
+            await bridge.score_group(group[:1])
+        assert caught.value.reason == "sandbox_error"
+        assert caught.value.component == "code"
+
+
+# -- last: the fork bomb, only once the process limit is proven -------------------------------
+
+PROBE = """
+import subprocess
+started = []
+for _ in range(50):
+    try:
+        started.append(subprocess.Popen(["/bin/sleep", "1"]))
+    except OSError:
+        pass
+print(len(started))
+"""
+
+BOMB = """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+
+
+def test_zz_a_fork_bomb_is_contained() -> None:
+    probe = run(PROBE, processes=16)
+    if probe.returncode != 0 or probe.stdout != b"15\n":  # 16 with the candidate
+        pytest.fail(f"the process limit does not hold ({probe}): not running the fork bomb")
+    started = time.monotonic()
+    result = run(BOMB, processes=16, wall_s=1.0)
+    assert result.timed_out and time.monotonic() - started < 1.0 + 2.0 + 5.0
+    assert score(BOMB + "\nprint(3)", [{"input": "", "output": "3"}], wall_s=1.0) == 0.0
