@@ -308,7 +308,8 @@ class StreamReader:
         found = delivery.fields.get(b"run")
         if run is not None and found is not None and found != run.encode():
             failure = classify(DecodeError(
-                f"field 'run' is {found[:80]!r}, but the entry is in a stream of run {run!r}"))
+                f"field 'run' is {found[:80].decode(errors='replace')!r}, but the entry is in "
+                f"a stream of run {run!r}"))
             return failure.reason, failure.detail
         return None
 

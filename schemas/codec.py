@@ -60,7 +60,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _I32, _F32, _U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<u1")
 _DEAD_PAYLOAD_PREFIX = b"payload:"
-_VERSION_TEXT = re.compile(rb"-?[0-9]{1,20}")
+_VERSION_TEXT = re.compile(rb"-?[0-9]{1,10}")  # [0, 2^31) has at most 10 digits
 
 
 def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:
@@ -419,8 +419,8 @@ def _decode_trajectory(fields: Mapping[bytes, bytes], run: str | None,
     try:
         version = _field(fields, b"policy_version")
         if not _VERSION_TEXT.fullmatch(version):
-            raise ValueError(f"field 'policy_version' is not a decimal integer: "
-                             f"{version[:24]!r}")
+            raise ValueError(f"field 'policy_version' is {version[:24]!r}, not a decimal "
+                             "integer in [0, 2^31)")
         identity = _IDENTITY.validate_python({
             "group_id": _text(fields, b"group_id"),
             "run": _text(fields, b"run"),

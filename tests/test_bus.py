@@ -16,7 +16,9 @@ from consumers.bus import (
     ReaderSettings,
     StreamReader,
     follow,
+    is_entry_id,
     join_trajectories,
+    run_of_stream,
     trim_streams,
 )
 from consumers.stage import Drop, Forward, Stage
@@ -293,3 +295,85 @@ async def test_partitions_spread_groups_and_keep_their_hash_tag(redis: aioredis.
     assert sum(lengths) == 40 and all(n > 0 for n in lengths)
     # a second publisher asking for another partition count uses the registered one
     assert await Publisher(redis, "wide", partitions=2).register() == 4
+
+
+async def test_own_pending_poison_is_dead_lettered_after_max_deliveries(
+    redis: aioredis.Redis,
+) -> None:
+    """A consumer that crashes on an entry re-reads it from its own pending list on every
+    start; Redis counts those re-reads, and past max_deliveries the entry is dead-lettered
+    instead of handed out again (it cannot crash-loop its consumer)."""
+    await Publisher(redis, RUN).publish(make_group(group_id="poison"))
+    r = reader(redis, max_deliveries=3)
+    await r.ensure_groups()
+    (first,) = await r.read()
+    assert first.deliveries == 1
+    counts = []
+    for _ in range(2):  # the consumer "crashed": a new reader of the same name re-reads
+        (again,) = await reader(redis, max_deliveries=3).read_own_pending()
+        counts.append(again.deliveries)
+    assert counts == [2, 3]
+    assert await reader(redis, max_deliveries=3).read_own_pending() == []  # 4 > 3
+    (entry,) = await redis.xrange(DEAD)
+    letter = decode_dead(entry[1])
+    assert letter.reason == "max_deliveries" and letter.deliveries == 4
+    assert "delivered 4 times (max_deliveries=3)" in letter.detail
+    assert decode_trajectory(letter.payload).group_id == "poison"
+    assert (await redis.xpending(TRAJ, "scorers"))["pending"] == 0
+    assert await redis.hget(counters_key(RUN, 0), "drop:max_deliveries") == b"1"
+
+
+async def test_an_entry_of_another_run_is_dead_lettered_before_anyone_decodes_it(
+    redis: aioredis.Redis,
+) -> None:
+    await redis.xadd(TRAJ, encode(make_group(run="other", group_id="foreign")))  # type: ignore[arg-type]
+    await Publisher(redis, RUN).publish(make_group(group_id="ours"))
+    r = reader(redis)
+    await r.ensure_groups()
+    assert [decode_trajectory(d.fields).group_id for d in await r.read()] == ["ours"]
+    (entry,) = await redis.xrange(DEAD)
+    letter = decode_dead(entry[1])
+    assert letter.reason == "decode_error"
+    assert "field 'run' is 'other'" in letter.detail and "run 'test'" in letter.detail
+
+
+def test_entry_ids_must_fit_redis() -> None:
+    assert is_entry_id("0-0") and is_entry_id("1700000000000-3")
+    assert is_entry_id(f"{2**64 - 1}-{2**64 - 1}")
+    for bad in (f"{2**64}-0", f"0-{2**64}", "99999999999999999999999-0", "\u0663-0", "1-",
+                "-1", "1-2-3", "1", "", " 1-0", "1-0 ", "+1-0", "abc"):
+        assert not is_entry_id(bad), bad
+    assert run_of_stream(SCORED) == RUN and run_of_stream("elsewhere:traj") is None
+
+
+ABSURD_REFS = [b"99999999999999999999999-0", str(2**64).encode() + b"-0", "\u0663-0".encode(),
+               b"1-2-3", b"", b"\xff\xfe-0"]
+
+
+async def test_absurd_or_unreadable_traj_references_are_dead_lettered_not_raised(
+    redis: aioredis.Redis,
+) -> None:
+    """Neither an id Redis cannot parse nor an error reply to the lookup escapes the
+    reader: each is that entry's ``trajectory_missing`` letter, and the rest is read."""
+    good = make_group(group_id="good")
+    traj_id = await redis.xadd(TRAJ, encode(good))  # type: ignore[arg-type]
+    for ref in ABSURD_REFS:
+        await redis.xadd(SCORED, {**encode(score(good), trajectory_id="0-1"), b"traj": ref})
+    await redis.xadd(SCORED, encode(score(good), trajectory_id=traj_id.decode()))  # type: ignore[arg-type]
+    # another partition whose traj key holds a string: XRANGE answers WRONGTYPE
+    other_scored, other_traj = stream_key(RUN, 1, "scored"), stream_key(RUN, 1, "traj")
+    await redis.set(other_traj, b"not a stream")
+    await redis.xadd(other_scored, encode(score(good), trajectory_id="1-0"))  # type: ignore[arg-type]
+    trainer = StreamReader(redis, [SCORED, other_scored], "trainer", "t1",
+                           ReaderSettings(block_ms=50), join_trajectories=True)
+    await trainer.ensure_groups()
+    (delivery,) = await trainer.read(count=100)
+    assert decode_scored(delivery.fields).group_id == "good"
+    letters = [decode_dead(f) for key in (DEAD, stream_key(RUN, 1, "dead"))
+               for _, f in await redis.xrange(key)]
+    assert len(letters) == len(ABSURD_REFS) + 1
+    assert {letter.reason for letter in letters} == {"trajectory_missing"}
+    assert sum("not a stream entry id" in letter.detail for letter in letters) == len(ABSURD_REFS)
+    (wrong_type,) = [letter for letter in letters if letter.source_stream == other_scored]
+    assert "failed" in wrong_type.detail and "WRONGTYPE" in wrong_type.detail.upper()
+    assert (await redis.xpending(SCORED, "trainer"))["pending"] == 1  # only the good one
