@@ -109,7 +109,8 @@ async def sample(redis: aioredis.Redis, roles: list[Role]) -> dict[str, float]:
     row["keys[total]"] = int(await redis.dbsize())
     for name in ("traj", "scored", "dead"):
         row[f"entries[{name}]"] = int(await redis.xlen(stream_key(RUN, 0, name)))
-    row["entries[seen]"] = int(await redis.hlen(run_key(RUN, "trainer:seen")))
+    row["entries[seen]"] = sum([int(await redis.hlen(key)) for key in
+                                await redis.keys(run_key(RUN, "trainer:seen:*"))])
     for stream in ("traj", "scored"):
         with contextlib.suppress(aioredis.ResponseError):
             groups = await redis.xinfo_groups(stream_key(RUN, 0, stream))

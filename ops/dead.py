@@ -13,7 +13,8 @@ adds the entry back, subtracts one from ``drop:<reason>`` (the counters keep say
 dead now, and the admission budget sees the group in flight again) and adds one to
 ``requeued``. Only the caller whose ``XDEL`` removed the letter does the rest, so a letter
 requeued twice at once is requeued once. The trainer drops a copy of a group it already
-trained (its seen-set), so requeueing never trains a group twice.
+trained (its seen-set, which remembers a group for the dedup window), so requeueing never
+trains a group twice; a stream letter too old for that window is skipped unless forced.
 """
 
 from __future__ import annotations
@@ -118,11 +119,29 @@ async def find(redis: aioredis.Redis, run: str, entry_id: str) -> Letter | None:
     return None
 
 
+PUBLISH_WINDOW_S = 3600.0
+"""Every copy of a group is published within this of the others (re-runs of its job)."""
+
+
+def too_old(item: Letter, dedup_window_s: float, now: float | None = None) -> bool:
+    """Whether a stream entry's copy may outlive the trainer's memory of the group: past
+    ``dedup_window_s − PUBLISH_WINDOW_S`` after it was published, a requeued copy of a
+    group that was trained could be trained again (``consumers.trainer.ledger``)."""
+    if item.is_job:
+        return False  # a dead-lettered job never published its group
+    published_ms = int(item.letter.source_id.partition("-")[0] or 0)
+    age = (time.time() if now is None else now) - published_ms / 1000
+    return age > dedup_window_s - PUBLISH_WINDOW_S
+
+
 async def requeue(redis: aioredis.Redis, redis_url: str, run: str,
                   chosen: Sequence[Letter],
-                  options: Mapping[str, Any] | None = None) -> list[tuple[Letter, str]]:
+                  options: Mapping[str, Any] | None = None, *,
+                  dedup_window_s: float | None = 6 * 3600.0) -> list[tuple[Letter, str]]:
     """Requeue letters; returns (letter, what happened) for each (``options``: the TLS
-    options of ``ops.connections.redis_options``, for the arq queue)."""
+    options of ``ops.connections.redis_options``, for the arq queue). Stream letters too
+    old for the trainer's dedup window (``too_old``) are skipped unless
+    ``dedup_window_s`` is None (``--force``)."""
     script = redis.register_script(_REQUEUE)
     results: list[tuple[Letter, str]] = []
     queue = None
@@ -130,6 +149,11 @@ async def requeue(redis: aioredis.Redis, redis_url: str, run: str,
         for item in chosen:
             if item.letter.consumer_group == "rescore":
                 results.append((item, "skipped: a rescore failure; run `rollq rescore` again"))
+                continue
+            if dedup_window_s is not None and too_old(item, dedup_window_s):
+                results.append((item, "skipped: published longer ago than the trainer's "
+                                "dedup window allows (a copy of a trained group could be "
+                                "trained twice); --force requeues it anyway"))
                 continue
             counters = counters_key(run, _partition(item.stream))
             drop = DROP_PREFIX + item.letter.reason
@@ -197,6 +221,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requeue every letter matching the filters (no IDs needed)")
     again.add_argument("--dry-run", action="store_true", help="say what would be requeued")
     again.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    again.add_argument("--dedup-window-s", type=float, default=6 * 3600.0,
+                       help="the trainers' dedup_window_s: stream letters published longer "
+                       "ago than it minus an hour are skipped [21600]")
+    again.add_argument("--force", action="store_true",
+                       help="requeue letters older than the dedup window too")
     for action in (listing, show):
         action.add_argument("--json", action="store_true", help="print JSON")
     for action in (listing, show, again):
@@ -278,8 +307,9 @@ async def _requeue(redis: aioredis.Redis, settings: Any, args: argparse.Namespac
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing requeued")
             return int(exit_codes.OK)
+    window = None if args.force else args.dedup_window_s
     for item, outcome in await requeue(redis, settings.redis_url, run, found,
-                                       redis_options(settings)):
+                                       redis_options(settings), dedup_window_s=window):
         print(f"{item.entry_id} {item.letter.reason} {item.group_id}: {outcome}")
     return int(exit_codes.OK)
 

@@ -182,3 +182,21 @@ async def _drain(arq_worker: Any) -> None:
 
 async def _main(argv: list[str]) -> int:
     return await asyncio.to_thread(main, argv, {})
+
+
+def test_stream_letters_older_than_the_dedup_window_are_not_requeued() -> None:
+    from ops.dead import Letter, too_old
+    from schemas import DeadLetter
+
+    def letter(source_stream: str, source_id: str) -> Letter:
+        return Letter("rollq:{r:0}:dead", "1-0", DeadLetter(
+            reason="unexpected_error", source_stream=source_stream, source_id=source_id,
+            consumer_group="scorers"))
+
+    now = 1_000_000.0
+    fresh = letter("rollq:{r:0}:traj", f"{int((now - 3600) * 1000)}-0")
+    old = letter("rollq:{r:0}:traj", f"{int((now - 6 * 3600) * 1000)}-0")
+    job = letter("jobs:r", "r:gsm8k:3")
+    assert not too_old(fresh, 6 * 3600, now)
+    assert too_old(old, 6 * 3600, now)
+    assert not too_old(job, 6 * 3600, now)  # a dead job never published its group

@@ -115,7 +115,8 @@ class TrainerClient:
         self.consumer = check_consumer_name(consumer)
         self.settings = settings or TrainerClientSettings()
         self.partitions = 0
-        self._ledger = Ledger(redis, run, consumer, self.settings.log_max_len)
+        self._ledger = Ledger(redis, run, consumer, self.settings.log_max_len,
+                              dedup_window_s=self.settings.dedup_window_s)
         self._publisher = PolicyPublisher(self.settings.inference_urls,
                                           pause_mode=self.settings.pause_mode,
                                           timeout_s=self.settings.http_timeout_s,

@@ -1,13 +1,26 @@
 """The trainer's own Redis state: the run registration, the policy version, the seen-hash
 and each consumer's trained log. Consumer-group verbs stay in ``consumers.bus``.
 
-    rollq:{<run>}:trainer:seen              hash: group_id -> "<stream> <entry id>" of the
-                                            entry that was trained (dedup across restarts)
+    rollq:{<run>}:trainer:seen:<bucket>     hashes: group_id -> "<stream> <entry id>" of the
+                                            entry that was trained (dedup across restarts),
+                                            one per time bucket, each expiring after the
+                                            dedup window
     rollq:{<run>}:trainer:log:<consumer>    stream: one entry per batch this consumer
                                             acked, in ack order; its ``entries`` field is
                                             a JSON list of [group_id, stream, entry id]
 
 Both live under the run's hash tag, so ``record`` updates them in one MULTI.
+
+**Why the seen-set may forget.** It only has to catch a copy of a group that can still
+arrive. A copy of group G comes from (a) a re-run of G's rollout job, which arq performs
+only while the job is still in its queue: all copies are published within
+``max_tries × (job_timeout_s + margins) + back-offs`` of each other (under an hour at the
+defaults, and a trained copy was published before it was trained), or (b) ``rollq dead
+requeue`` of a dead-lettered copy, which refuses a letter whose entry is older than the
+dedup window minus that hour (``--force`` overrides, with the warning). A record kept for
+``dedup_window_s`` (6 h by default) after the training therefore outlives every copy that
+can still come; older records expire with their time bucket, so the set stays as large as
+the groups of one window, not of the whole run. The same window bounds the trained log.
 """
 
 from __future__ import annotations
@@ -31,6 +44,8 @@ from schemas.keys import (
     state_key,
 )
 
+SEEN_BUCKETS = 12
+"""The dedup window is kept in this many time buckets (one hash each)."""
 _CONSUMER_NAME = re.compile(r"^[A-Za-z0-9_.:@\-]{1,128}$")
 
 # KEYS[1] state hash; ARGV[1] field, ARGV[2] new version. Raises the version, never lowers
@@ -70,12 +85,14 @@ class TrainedEntry:
 class Ledger:
     """Reads and writes the trainer's run-wide state for one consumer."""
 
-    def __init__(self, redis: aioredis.Redis, run: str, consumer: str, log_max_len: int) -> None:
+    def __init__(self, redis: aioredis.Redis, run: str, consumer: str, log_max_len: int,
+                 *, dedup_window_s: float = 6 * 3600.0) -> None:
         self.redis = redis
         self.run = run
         self.consumer = consumer
         self.log_max_len = log_max_len
-        self.seen_key = run_key(run, "trainer:seen")
+        self.dedup_window_s = dedup_window_s
+        self.bucket_s = max(1.0, dedup_window_s / SEEN_BUCKETS)
         self._raise_version = redis.register_script(_RAISE_VERSION)
 
     def log_key(self, consumer: str | None = None) -> str:
@@ -107,13 +124,30 @@ class Ledger:
             )
         return int(result)
 
+    def seen_key(self, bucket: int) -> str:
+        return run_key(self.run, f"trainer:seen:{bucket}")
+
+    def _bucket(self, now: float | None = None) -> int:
+        return int((time.time() if now is None else now) // self.bucket_s)
+
     async def seen(self, group_ids: Sequence[str]) -> dict[str, str]:
-        """Which of ``group_ids`` were trained already: group id -> ``ref`` of that entry."""
+        """Which of ``group_ids`` were trained within the dedup window: group id -> ``ref``
+        of that entry."""
         if not group_ids:
             return {}
+        newest = self._bucket()
+        buckets = [self.seen_key(b) for b in range(newest, newest - SEEN_BUCKETS - 2, -1)]
         async with translated_errors("checking seen groups"):
-            values = await self.redis.hmget(self.seen_key, list(group_ids))
-        return {g: _text(v) for g, v in zip(group_ids, values, strict=True) if v is not None}
+            pipe = self.redis.pipeline(transaction=False)
+            for key in buckets:
+                pipe.hmget(key, list(group_ids))
+            replies = await pipe.execute()
+        found: dict[str, str] = {}
+        for values in replies:  # newest bucket first: its record wins
+            for group_id, value in zip(group_ids, values, strict=True):
+                if value is not None and group_id not in found:
+                    found[group_id] = _text(value)
+        return found
 
     async def record(self, entries: Sequence[TrainedEntry]) -> str | None:
         """Mark ``entries`` trained (seen-hash) and append them to this consumer's log as one
@@ -121,13 +155,19 @@ class Ledger:
         if not entries:
             return None
         listed = orjson.dumps([[e.group_id, e.stream, e.entry_id] for e in entries])
+        now = time.time()
+        key = self.seen_key(self._bucket(now))
         async with translated_errors("recording trained groups"):
             pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(self.seen_key, mapping={e.group_id: e.ref for e in entries})
+            pipe.hset(key, mapping={e.group_id: e.ref for e in entries})
+            # the bucket outlives its last write by the whole window
+            pipe.expire(key, int(self.dedup_window_s + 2 * self.bucket_s) + 1)
             pipe.xadd(self.log_key(), {"entries": listed},
                       maxlen=self.log_max_len, approximate=True)
+            pipe.xtrim(self.log_key(),
+                       minid=f"{int((now - self.dedup_window_s) * 1000)}-0", approximate=True)
             replies = await pipe.execute()
-        return _text(replies[-1])
+        return _text(replies[-2])
 
     async def log_head(self) -> str:
         """Id of the last entry of this consumer's log, ``0-0`` when empty."""

@@ -49,6 +49,10 @@ class TrainerClientSettings:
     ids are only checked to be >= 0."""
     partitions: int = 1
     """Partition count to register when the run does not exist yet (the stored count wins)."""
+    dedup_window_s: float = 6 * 3600.0
+    """How long a trained group's id is remembered to drop copies of it (seconds); every
+    copy that can still arrive does within it (see ``consumers.trainer.ledger``), so the
+    seen-set holds one window of groups, not the whole run. Also bounds the trained log."""
     log_max_len: int = 1_000_000
     """Entries kept in each consumer's trained log, one per acked batch (approximate cap).
     Must exceed the batches acked between two checkpoints, or resuming from the older one
@@ -64,5 +68,7 @@ class TrainerClientSettings:
             raise ValueError(f"vocab_size must be at least 1 or None, got {self.vocab_size}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.dedup_window_s <= 0:
+            raise ValueError(f"dedup_window_s must be > 0, got {self.dedup_window_s}")
         if self.block_ms < 0 or self.http_timeout_s <= 0 or self.reclaim_every_s < 0:
             raise ValueError("block_ms and reclaim_every_s must be >= 0, http_timeout_s > 0")
