@@ -50,6 +50,8 @@ class PipelineOptions:
     so every restart adds a consumer (the soak checks they are cleaned up)."""
     retention_s: float = 3600.0
     """The roles' ``retention_s``: acknowledged entries kept this long."""
+    dedup_window_s: float = 6 * 3600.0
+    """The trainer's ``dedup_window_s``."""
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -62,7 +64,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint)
     settings = TrainerClientSettings(batch_groups=args.batch_groups, max_staleness=None,
                                      reclaim_idle_ms=3000, reclaim_every_s=1.0,
-                                     block_ms=200)
+                                     block_ms=200, dedup_window_s=args.dedup_window_s)
     with SyncTrainerClient(args.redis_url, run=args.run, consumer="trainer-0",
                            settings=settings) as client:
         counts = bytearray()
@@ -183,7 +185,8 @@ def build_roles(redis_url: str, inference: str, directory: Path,
                                   "--redis-url", redis_url, "--checkpoint",
                                   str(directory / "trainer.json"),
                                   "--batch-groups", str(options.batch_groups),
-                                  "--step-s", str(options.step_s)],
+                                  "--step-s", str(options.step_s),
+                                  "--dedup-window-s", str(options.dedup_window_s)],
                       env, directory / "trainer.log"))
     return roles
 
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.add_argument("--checkpoint", required=True)
     trainer.add_argument("--batch-groups", type=int, default=8)
     trainer.add_argument("--step-s", type=float, default=0.4)
+    trainer.add_argument("--dedup-window-s", type=float, default=6 * 3600.0)
     return trainer_main(parser.parse_args(argv))
 
 

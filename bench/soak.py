@@ -11,7 +11,9 @@ SIGTERM and started again, under a new consumer name, as a deploy would. Every
 lengths, the trainer's seen-set, each role's RSS (its whole process group), the event-loop
 lag the roles log, and groups/s.
 
-At the end it fits a line to each series over the last two thirds of the run and prints
+Every bounded structure is set to plateau early (retention, job results, consumer idle time
+60 s; the trainer's dedup window 240 s): what is judged is that nothing grows once those
+windows are full. At the end it fits a line to each series over the last two thirds of the run and prints
 the slope per hour next to the threshold it is judged by: a series is *flat* when its
 fitted growth over that window is at most ``max(abs_floor, 5 % of its mean)`` (a series
 that falls, as a restarted role's RSS does, is not a leak). It writes
@@ -184,7 +186,8 @@ async def soak(args: argparse.Namespace, out: Path) -> int:
     fake = FakeServerProcess().start()
     options = PipelineOptions(groups=10**7, batch_groups=8, step_s=args.step_s,
                               fixed_consumer_names=False,
-                              retention_s=args.retention_s)
+                              retention_s=args.retention_s,
+                              dedup_window_s=args.dedup_window_s)
     roles = build_roles(redis_server.url, fake.url, out, options)
     redis = aioredis.Redis.from_url(redis_server.url)
     rows: list[dict[str, float]] = []
@@ -287,11 +290,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds per trainer step: paces the run [0.25]")
     parser.add_argument("--retention-s", type=float, default=60.0,
                         help="the roles' retention_s: acked entries kept this long [60]")
+    parser.add_argument("--dedup-window-s", type=float, default=240.0,
+                        help="the trainer's dedup_window_s: its seen-set plateaus after it "
+                        "[240]")
     parser.add_argument("--out", type=Path, default=Path("soak-out"))
     args = parser.parse_args(argv)
     if args.short:
         args.minutes, args.sample_every_s, args.restart_every_s = 2.0, 5.0, 20.0
         args.retention_s = min(args.retention_s, 15.0)
+        args.dedup_window_s = min(args.dedup_window_s, 20.0)
     return args
 
 
