@@ -13,8 +13,8 @@ lag the roles log, and groups/s.
 
 Every bounded structure is set to plateau early (retention, job results, consumer idle time
 60 s; the trainer's dedup window 240 s): what is judged is that nothing grows once those
-windows are full. At the end it fits a line to each series over the last two thirds of the run and prints
-the slope per hour next to the threshold it is judged by: a series is *flat* when its
+windows are full. At the end it fits a line to each series over the last two thirds of the
+run and prints the slope per hour next to the threshold it is judged by: a series is *flat* when its
 fitted growth over that window is at most ``max(abs_floor, 5 % of its mean)`` (a series
 that falls, as a restarted role's RSS does, is not a leak). It writes
 ``soak.csv`` and ``soak.png`` to ``--out``, checks that no group was lost or duplicated,
