@@ -224,6 +224,9 @@ class AtroposStore:
         self._cache: OrderedDict[Ref, _Held] = OrderedDict()
         self._pieces_kept = _PieceCache(piece_cache_bytes)
         self._reader: StreamReader | None = None
+        self._ingester: asyncio.Task[None] | None = None
+        self._posted_event = asyncio.Event()
+        self._ingest_lock = asyncio.Lock()
         self._local_lock = asyncio.Lock()
 
     async def __aenter__(self) -> AtroposStore:
@@ -232,11 +235,30 @@ class AtroposStore:
             self.redis, stream_keys(self.run, self.partitions, "scored"), self.consumer_group,
             QUEUE_CONSUMER, ReaderSettings(count=256), join_trajectories=True)
         await self._reader.ensure_groups()
+        self._ingester = asyncio.create_task(self._ingest_posted())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._ingester is not None:
+            self._ingester.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ingester
         self._cache.clear()
         self._pieces_kept.clear()
+
+    async def _ingest_posted(self) -> None:
+        """Take posted groups into the consumer group as they arrive, between requests,
+        so ``/batch`` finds them read and decoded. Best effort: a failure is logged and
+        the next read (this loop's, or any request's) takes the groups instead."""
+        while True:
+            await self._posted_event.wait()
+            self._posted_event.clear()
+            try:
+                await self._ingest()
+            except Exception as exc:  # logged; the request path reads the groups anyway
+                failure = classify(exc)
+                log.warning("background_ingest_failed", run=self.run, reason=failure.reason,
+                            detail=failure.detail)
 
     @property
     def reader(self) -> StreamReader:
@@ -346,6 +368,7 @@ class AtroposStore:
                 if entry.piece:
                     self._pieces_kept.put((entry.stream, _entry_text(entry_id)), entry.piece)
         if last is not None:
+            self._posted_event.set()
             async with translated_errors("recording the latest group"):
                 await self.redis.hset(self._state, "latest",
                                       f"{last[0]} {_entry_text(last[1])}")
@@ -432,6 +455,10 @@ class AtroposStore:
 
     async def _ingest(self) -> None:
         """Take every new scored entry into this API's consumer group (as pending)."""
+        async with self._ingest_lock:  # one reader at a time: nothing decoded twice
+            await self._ingest_new()
+
+    async def _ingest_new(self) -> None:
         while True:
             deliveries = await self.reader.read(count=256, block_ms=0)
             held = {}

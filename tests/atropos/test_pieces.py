@@ -115,3 +115,18 @@ def test_the_process_piece_cache_keeps_the_newest_within_its_budget() -> None:
     cache.pop(("s", "3"))
     cache.put(("s", "2"), b"yy")  # replaced, not counted twice
     assert (cache.size, cache.get(("s", "2"))) == (2, b"yy")
+
+
+async def test_posted_groups_are_read_into_the_queue_between_requests(
+        redis: aioredis.Redis) -> None:
+    import asyncio
+
+    async with api_client(redis) as client:
+        await client.post("/scored_data", json=atropos_group(1))
+        for _ in range(500):  # the API's own reader takes it, with no request asking
+            pending = await redis.xpending("rollq:{atr:0}:scored", "atropos")
+            if pending["pending"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert pending["pending"] == 1
+        assert (await client.get("/status")).json()["queue_size"] == 1
