@@ -30,6 +30,7 @@ import csv
 import itertools
 import json
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -96,14 +97,17 @@ async def _key_counts(redis: aioredis.Redis) -> Counter[str]:
         name = key.decode(errors="replace")
         if name.startswith("arq:"):
             counts[":".join(name.split(":")[:2])] += 1  # arq:job, arq:result, ...
-        elif name.startswith("rollq:"):
-            counts["rollq:" + name.rsplit(":", 1)[-1]] += 1  # rollq:traj, rollq:seen, ...
+        elif name.startswith("rollq:"):  # rollq:traj, rollq:trainer:seen:*, ...
+            tail = name.split("}:", 1)[-1]
+            counts["rollq:" + re.sub(r"\d+", "*", tail)] += 1
         else:
             counts["other"] += 1
     return counts
 
 
-async def sample(redis: aioredis.Redis, roles: list[Role]) -> dict[str, float]:
+async def sample(redis: aioredis.Redis, roles: list[Role],
+                 warming: set[str] = frozenset()) -> dict[str, float]:  # type: ignore[assignment]
+    """One row of samples; roles in ``warming`` (just restarted) give no RSS or lag yet."""
     info = await redis.info("memory")
     row: dict[str, float] = {"t": time.time(), "redis_used_mb": info["used_memory"] / 1e6}
     for kind, count in (await _key_counts(redis)).items():
@@ -119,6 +123,8 @@ async def sample(redis: aioredis.Redis, roles: list[Role]) -> dict[str, float]:
             row[f"keys[consumers:{stream}]"] = sum(int(g["consumers"]) for g in groups)
     row["consumed"] = int(await redis.hget(counters_key(RUN, 0), CONSUMED_COUNTER) or 0)
     for role in roles:
+        if role.name in warming:
+            continue
         if role.process is not None:
             row[f"rss_mb[{role.name}]"] = _group_rss_mb(role.process.pid)
         lag = _last_lag_ms(role.log)
@@ -196,6 +202,7 @@ async def soak(args: argparse.Namespace, out: Path) -> int:
     restartable = itertools.cycle([r for r in roles if r.name != "feeder"])
     next_restart = started + args.restart_every_s
     next_sample = started + args.sample_every_s
+    last_start = {role.name: started for role in roles}
     try:
         for role in roles:
             role.start()
@@ -207,9 +214,12 @@ async def soak(args: argparse.Namespace, out: Path) -> int:
                 print(f"[{(now - started) / 60:5.1f} min] restarting {role.name}", flush=True)
                 await asyncio.to_thread(role.stop)
                 role.start()
+                last_start[role.name] = time.monotonic()
                 next_restart = now + args.restart_every_s
             if now >= next_sample:
-                rows.append(await sample(redis, roles))
+                warming = {name for name, at in last_start.items()
+                           if now - at < args.warmup_s}
+                rows.append(await sample(redis, roles, warming))
                 next_sample = now + args.sample_every_s
                 last = rows[-1]
                 recent = rates(rows[-2:]) if len(rows) > 1 else [0.0]
@@ -288,6 +298,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--restart-every-s", type=float, default=180.0)
     parser.add_argument("--step-s", type=float, default=0.25,
                         help="seconds per trainer step: paces the run [0.25]")
+    parser.add_argument("--warmup-s", type=float, default=60.0,
+                        help="a (re)started role's RSS and lag are not sampled this long: "
+                        "imports and caches fill up [60]")
     parser.add_argument("--retention-s", type=float, default=60.0,
                         help="the roles' retention_s: acked entries kept this long [60]")
     parser.add_argument("--dedup-window-s", type=float, default=240.0,
@@ -297,6 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.short:
         args.minutes, args.sample_every_s, args.restart_every_s = 2.0, 5.0, 20.0
+        args.warmup_s = min(args.warmup_s, 20.0)
         args.retention_s = min(args.retention_s, 15.0)
         args.dedup_window_s = min(args.dedup_window_s, 20.0)
     return args
