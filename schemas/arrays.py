@@ -12,6 +12,7 @@ models' validators and the codec. It costs one or two vectorised reductions (a f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -48,28 +49,37 @@ MAX_VERSION = 2**31 - 1
 """Largest policy version: versions travel as int32 (per token) and must fit one."""
 
 
+_FEW = 32  # below this many values a Python pass beats numpy's per-call overhead
+
+
 def check_values(name: str, array: np.ndarray[Any, Any], *, low: float | None = None,
                  high: float | None = None) -> None:
     """Raise ValueError naming ``name`` unless every value of ``array`` is finite (floats)
     and within ``[low, high]`` (each bound optional).
 
-    NaN propagates through ``min``/``max``, so a float array needs only those two reductions.
+    NaN propagates through ``min``/``max``, so a float array needs only those two reductions;
+    a stride-0 view (``broadcast``) holds one value, so only that one is read.
     """
     if not array.size:
         return
+    if array.strides == (0,):
+        array = array[:1]
     floating = array.dtype.kind == "f"
-    if floating or low is not None:
-        lowest = array.min()
-        if floating and not np.isfinite(lowest):
-            raise ValueError(f"{name} holds a non-finite value ({lowest})")
-        if low is not None and lowest < low:
-            raise ValueError(f"{name} holds {lowest}, below the lowest allowed value {low}")
-    if floating or high is not None:
-        highest = array.max()
-        if floating and not np.isfinite(highest):
-            raise ValueError(f"{name} holds a non-finite value ({highest})")
-        if high is not None and highest > high:
-            raise ValueError(f"{name} holds {highest}, above the highest allowed value {high}")
+    if array.size < _FEW:
+        values = array.tolist()
+        # a float64 sum of float32 values is finite exactly when every value is
+        if floating and not math.isfinite(sum(values)):
+            raise ValueError(f"{name} holds a non-finite value")
+        lowest, highest = min(values), max(values)
+    else:
+        lowest = array.min() if floating or low is not None else 0
+        highest = array.max() if floating or high is not None else 0
+        if floating and not (math.isfinite(lowest) and math.isfinite(highest)):
+            raise ValueError(f"{name} holds a non-finite value")
+    if low is not None and lowest < low:
+        raise ValueError(f"{name} holds {lowest}, below the lowest allowed value {low}")
+    if high is not None and highest > high:
+        raise ValueError(f"{name} holds {highest}, above the highest allowed value {high}")
 
 
 def broadcast(values: npt.ArrayLike, lengths: Sequence[int]) -> list[Float32Array]:
