@@ -18,6 +18,12 @@ Uids: each run holds one of `uids` exclusively (a `flock` on a lock file in the 
 root), because RLIMIT_NPROC counts every process of a uid machine-wide: two runs sharing
 a uid would share one process budget. Give as many uids as the pool has workers; they must
 not be used by anything else (a service running as `nobody` eats into the budget).
+
+Not covered: world-readable files stay readable (only what file permissions deny the
+uid is out of reach); memory is limited per process, so all the processes of a run may
+use `processes × memory_bytes` together; there is no seccomp filter. A pool worker killed
+mid-run leaves its sandbox to the parent-death signals, and the orphans to the
+container's init: run the scorer under one that reaps (e.g. `docker run --init`).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ class SandboxLimits:
 
     - `wall_s`: wall-clock seconds from the start of the launcher (set-up, ~20–50 ms,
       included) until the run is killed.
-    - `cpu_s`: CPU seconds per process (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later).
+    - `cpu_s`: CPU seconds per process (RLIMIT_CPU, soft = hard: SIGKILL at the limit).
     - `memory_bytes`: address space per process (RLIMIT_AS).
     - `processes`: processes and threads of the sandbox uid, the candidate included
       (RLIMIT_NPROC).
@@ -80,7 +86,7 @@ class SandboxLimits:
 class SandboxResult:
     """What the candidate did.
 
-    - `returncode`: its exit code, or −N when a signal N ended it (SIGXCPU, 24, for the
+    - `returncode`: its exit code, or −N when a signal N ended it (−9, SIGKILL, for the
       CPU limit); None when the sandbox killed it (`timed_out`, `output_exceeded`).
     - `stdout`: at most `output_bytes` bytes; `stderr`: its first 4 KiB (diagnostics).
     - `timed_out`: it ran past `wall_s`; `output_exceeded`: it wrote past `output_bytes`.

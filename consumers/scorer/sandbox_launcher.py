@@ -102,7 +102,9 @@ def _become_candidate(config: dict[str, Any]) -> None:
     status_fd = config["status_fd"]
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
     limits = config["limits"]
-    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
+    # Soft = hard: SIGKILL at the limit. A SIGXCPU first would be lost on the candidate,
+    # PID 1 of its namespace, which the kernel spares signals it has no handler for.
+    resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"],) * 2)
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_bytes"],) * 2)
     resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)
