@@ -17,10 +17,12 @@ Values are checked in both directions, not only shapes (the rules are in
 ``schemas.models``: ids >= 0, logprobs finite and <= 0, masks 0/1, versions in [0, 2^31),
 no empty completion, finite rewards/advantages/per-token values, metadata without NaN,
 infinities or integers beyond 64 bits). The arrays are checked once per group, over the
-concatenated bytes, with vectorised reductions; JSON numbers by pydantic where the field is
-typed and by a walk where it is free-form (only when a scan of the bytes finds a token that
-could be one). ``decode`` also takes what only a reader knows: the ``run`` of the stream it
-read (an entry of another run is invalid there) and the model's ``vocab_size``.
+concatenated bytes, with vectorised reductions (a few µs per field for 32K tokens, never a
+Python loop over elements). JSON is parsed strictly on decode (orjson: NaN, Infinity and
+numbers that overflow a double are errors, free-form metadata included), then typed by
+pydantic; on encode, where orjson would silently write NaN as null, the written JSON is
+read back and compared. ``decode`` also takes what only a reader knows: the ``run`` of the
+stream it read (an entry of another run is invalid there) and the model's ``vocab_size``.
 
 ``encode`` raises ``ContractError`` for values the contract forbids or JSON cannot carry.
 ``decode`` raises ``DecodeError`` (``UnknownVersionError`` for a version it does not know),
@@ -125,7 +127,7 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
                                [c.policy_version for c in completions])
         _check_trajectory_values(fields, lengths.tolist(), None)
         _check_written("meta", fields[b"meta"], meta)
-    except (DecodeError, ValueError) as exc:
+    except (DecodeError, ValueError, TypeError) as exc:
         raise ContractError(f"cannot encode group {group.group_id[:80]!r}: {exc}") from None
     return fields
 
@@ -188,7 +190,7 @@ def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
             raise ValueError(f"{len(scores)} scores for {len(lengths)} completions")
         _check_written("score_meta", fields[b"score_meta"], score_meta)
         _check_score_values(fields, rewards, advantages, sum(lengths))
-    except (DecodeError, ValueError) as exc:
+    except (DecodeError, ValueError, TypeError) as exc:
         raise ContractError(f"cannot encode the scores of group "
                             f"{message.group_id[:80]!r}: {exc}") from None
     return fields
