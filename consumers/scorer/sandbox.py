@@ -158,13 +158,16 @@ class Sandbox:
         an empty stdin); raise `RewardError("sandbox_error")` when the sandbox fails."""
         interpreter = self._resolve_interpreter()
         root = self.work_root or tempfile.gettempdir()
-        with _claimed_uid(self.uids, root) as uid:
-            _reap(uid)  # left over from a worker killed mid-run
-            try:
-                with _run_directory(root) as directory:
-                    return self._run_in(directory, interpreter, uid, files, stdin)
-            finally:
-                _reap(uid)
+        try:
+            with _claimed_uid(self.uids, root) as uid:
+                _reap(uid)  # left over from a worker killed mid-run
+                try:
+                    with _run_directory(root) as directory:
+                        return self._run_in(directory, interpreter, uid, files, stdin)
+                finally:
+                    _reap(uid)
+        except OSError as exc:  # reading pipes, /proc, locks: the sandbox's own plumbing
+            raise RewardError("sandbox_error", f"the sandbox failed: {exc!r}") from exc
 
     def _resolve_interpreter(self) -> str:
         found = shutil.which(self.interpreter, path=SANDBOX_PATH)
