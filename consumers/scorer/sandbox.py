@@ -160,9 +160,12 @@ class Sandbox:
         root = self.work_root or tempfile.gettempdir()
         try:
             with _claimed_uid(self.uids, root) as uid:
-                _reap(uid)  # left over from a worker killed mid-run
+                # Left over from a worker killed mid-run: nobody else runs as `uid` now.
+                _reap(uid)
+                for stale in Path(root).glob(f"rollq-code-{uid}-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
                 try:
-                    with _run_directory(root) as directory:
+                    with _run_directory(root, uid) as directory:
                         return self._run_in(directory, interpreter, uid, files, stdin)
                 finally:
                     _reap(uid)
@@ -306,10 +309,11 @@ def _verdict(watched: _Watched, seconds: float, wall_s: float) -> SandboxResult:
 
 
 @contextlib.contextmanager
-def _run_directory(root: str) -> Iterator[Path]:
-    """A fresh root-only directory under `root`, removed afterwards."""
+def _run_directory(root: str, uid: int) -> Iterator[Path]:
+    """A fresh root-only directory under `root`, removed afterwards (or, if this process
+    dies first, by the next run that holds `uid`)."""
     try:
-        directory = Path(tempfile.mkdtemp(prefix="rollq-code-", dir=root))
+        directory = Path(tempfile.mkdtemp(prefix=f"rollq-code-{uid}-", dir=root))
     except OSError as exc:
         raise RewardError("sandbox_error", f"cannot create a run directory in {root!r}: "
                           f"{exc}") from exc

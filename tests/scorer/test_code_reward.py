@@ -72,6 +72,10 @@ def _children() -> list[int]:
     return found
 
 
+def _run_directories() -> list[Path]:
+    return list(Path(tempfile.gettempdir()).glob(f"rollq-code-{UID}-*"))
+
+
 async def _eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
     """Poll `condition` until it holds or `timeout_s` passes (a process table offers no
     event to wait on)."""
@@ -86,7 +90,8 @@ async def _eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> 
 @pytest.fixture(autouse=True)
 def unharmed() -> Iterator[None]:
     """Refuse to start when anything runs as the sandbox uids (their process budget is
-    machine-wide); afterwards, nothing of theirs is left and no child of ours either."""
+    machine-wide); afterwards, nothing of theirs is left, no child of ours either, and no
+    run directory."""
     if _processes_of(UID) or _processes_of(SPARE_UID):
         pytest.skip(f"processes of uid {UID}/{SPARE_UID} are running on this machine")
     before = set(_children())
@@ -96,6 +101,7 @@ def unharmed() -> Iterator[None]:
         time.sleep(0.02)
     assert _processes_of(UID) == [] and _processes_of(SPARE_UID) == []
     assert set(_children()) <= before
+    assert _run_directories() == []
 
 
 def code(**settings: Any) -> CodeExecution:
@@ -471,6 +477,9 @@ async def test_a_pool_worker_killed_mid_run_takes_its_sandbox_along() -> None:
             await scoring
         assert caught.value.reason == "timeout"
         assert await _eventually(lambda: not _processes_of(UID))
+    assert len(_run_directories()) == 1  # its run directory: removed by the next run as UID
+    assert run("print('next')").stdout == b"next\n"
+    assert _run_directories() == []
 
 
 # -- last: the fork bomb, only once the process limit is proven -------------------------------
