@@ -9,8 +9,10 @@ Finished work is paced, not discarded: discarding stale groups biases training t
 prompts that are quick to answer.
 
 ``in_flight + buffered`` is what was admitted and has not yet been consumed or dropped:
-``admitted - consumed - dropped``. Drops (stale, degenerate, dead-lettered, failed jobs)
-free their slot, except duplicates, which never held one.
+``admitted - consumed - dropped`` (``outstanding``). rollq neither can nor needs to tell
+the two apart (a group is "buffered" from its XADD until the trainer consumes it), so
+``admit`` takes their sum. Drops (stale, degenerate, dead-lettered, failed jobs) free their
+slot, except duplicates, which never held one.
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ NOT_FREEING_SLOTS = frozenset({"duplicate"})
 def admit(
     version: int,
     consumed: int,
-    in_flight: int,
-    buffered: int,
+    outstanding: int,
     *,
     max_staleness: int,
     batch_groups: int,
 ) -> int:
-    """Number of new jobs that may be admitted now (never negative)."""
+    """Number of new jobs that may be admitted now (never negative); ``outstanding`` is
+    ``in_flight + buffered``: admitted and not yet consumed or dropped."""
     budget = (max_staleness + version + 1) * batch_groups
-    return max(0, budget - (consumed + in_flight + buffered))
+    return max(0, budget - (consumed + outstanding))
 
 
 def outstanding(admitted: int, counters: Mapping[str, int]) -> tuple[int, int]:

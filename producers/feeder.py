@@ -19,6 +19,17 @@ Any number of feeders may run (standbys for availability); they are safe because
   enqueue and the commit leaves the cursor at that position: the next feeder's enqueue is
   refused (the job is there), and its commit counts the job once. No position is skipped,
   none is counted twice, and ``admitted`` equals the jobs in arq's queue.
+
+Why enqueue-then-commit rather than claim-then-enqueue: a claim (cursor advanced first) that
+dies before its enqueue skips positions unless a second record of "claimed, not enqueued"
+is kept and swept; with deterministic job ids the enqueue is idempotent, so the cursor
+itself is that record. The commit script only ever accepts the position at the cursor
+(each feeder commits its positions in order, starting at or below the cursor), so the
+cursor never jumps a position nobody enqueued.
+
+A failing enqueue or commit (Redis away, or a write refused: OOM, READONLY during a
+failover) raises ``BrokerUnavailable``; the loop logs it and tries again with back-off
+(``OutageRider``) from the cursor, which has not moved past the failed position.
 """
 
 from __future__ import annotations
@@ -86,7 +97,7 @@ class FeedState:
     outstanding: int
 
     def budget(self, plan: FeedPlan) -> int:
-        free = admit(self.version, self.consumed, self.outstanding, 0,
+        free = admit(self.version, self.consumed, self.outstanding,
                      max_staleness=plan.max_staleness, batch_groups=plan.batch_groups)
         return min(free, plan.total - self.cursor)
 
@@ -130,8 +141,9 @@ class Feeder:
         returns how many it admitted."""
         try:
             return await self._feed_once()
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while admitting jobs: {exc}") from exc
+        except (redis_errors.RedisError, OSError) as exc:  # refused writes too: OOM, READONLY
+            raise BrokerUnavailable(f"redis unavailable while admitting jobs: "
+                                    f"{type(exc).__name__}: {exc}") from exc
 
     async def _feed_once(self) -> int:
         if not await self.redis.set(self.lease_key, self._token, nx=True,

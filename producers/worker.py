@@ -18,18 +18,37 @@ Every try of a job ends in exactly one of (``schemas.failures.decide``, with
   ``Publisher.publish_failure`` writes the dead letter and counts ``drop:<reason>`` in one
   MULTI, which frees the job's admission slot. ``rollq dead requeue`` re-enqueues it.
 
-Why no job can vanish in arq's result store (arq records a job as failed, never to run
-again, when the job raises anything but ``Retry``, when it exceeds arq's own timeout, or
-when its try count exceeds arq's ``max_tries``): the job body catches every exception;
-it enforces the job timeout itself, ``TIMEOUT_MARGIN_S`` before arq's; and arq's
-``max_tries`` is set ``EXTRA_TRIES`` above rollq's, so a try that arq starts after the
-worker of the last allowed try was killed (SIGKILL, OOM) still reaches the body, which
-then dead-letters the job (``job_timeout``) without running it again.
+A worker killed mid-job (SIGKILL, OOM) leaves the job in arq's queue under an in-progress
+key that expires ``job timeout + TIMEOUT_MARGIN_S + 10 s`` after the try started; then any
+worker runs it again as the next try (tested against a real redis-server). A try cut short
+by a graceful stop (SIGINT/SIGTERM past the grace period) goes back to the queue and is not
+counted as a try: the shutdown was not the job's fault.
+
+Why no job can vanish in arq's result store, holding its admission slot forever (arq
+records a job as failed, never to run again and never seen by our code, when the job
+raises anything but ``Retry``, when it exceeds arq's own timeout, when its try count
+exceeds arq's ``max_tries``, or when its job key expired before any worker took it):
+
+- the job body catches every exception and ends in ``Retry`` or in a dead letter written
+  before it returns normally; if the dead letter itself cannot be written (Redis away), it
+  raises ``Retry`` so that a later try writes it;
+- it enforces the job timeout itself, ``TIMEOUT_MARGIN_S`` before arq's;
+- arq's ``max_tries`` is ``EXTRA_TRIES`` above rollq's, so a try that arq starts after the
+  last allowed try's worker died (or could not write its dead letter) still reaches the
+  body, which dead-letters the job (``job_timeout``) without running it again;
+- jobs are enqueued with a job key that lives ``JOB_EXPIRY_S`` (30 days, arq's default is
+  one day), so workers that are down over a weekend do not expire the queue.
+
+What remains is arq's last resort: a job whose ``EXTRA_TRIES`` extra tries all failed to
+write their dead letter, which needs Redis to accept arq's own writes and refuse ours five
+times over minutes of back-off; ``rollq status`` reports such a group as admitted but in no
+stream, queue or dead letter.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,11 +64,15 @@ from producers.envs.base import Env
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
 from producers.rollout import PolicyVersionSource, RolloutRunner
+from schemas import BrokerUnavailable
 from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
 from schemas.keys import run_key
 
 log = structlog.get_logger("rollq.worker")
 JOB_FUNCTION = "rollout"
+JOB_EXPIRY_S = 30 * 24 * 3600
+"""A queued job's key lives this long (arq fails a job whose key expired without running
+it; its default of a day would silently leak the slots of a weekend's queue)."""
 
 
 def queue_name(run: str) -> str:
@@ -58,6 +81,8 @@ def queue_name(run: str) -> str:
 
 
 def job_id(run: str, env: str, position: int) -> str:
+    """``<run>:<env>:<position>``: the job id, the group id it publishes, and the
+    ``source_id`` of its dead letter (``rollq dead requeue`` splits it from the right)."""
     return f"{run}:{env}:{position}"
 
 
@@ -83,7 +108,8 @@ def queue_settings(redis_url: str, options: Mapping[str, Any] | None = None) -> 
 async def connect_queue(redis_url: str, options: Mapping[str, Any] | None = None) -> ArqRedis:
     """An arq connection for enqueueing (the feeder) with rollq's serializer."""
     return await create_pool(queue_settings(redis_url, options), job_serializer=_serialize,
-                             job_deserializer=_deserialize)
+                             job_deserializer=_deserialize,
+                             expires_extra_ms=int(JOB_EXPIRY_S * 1000))
 
 
 async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int) -> bool:
@@ -94,7 +120,8 @@ async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int) ->
 
 
 TIMEOUT_MARGIN_S = 5.0
-"""arq's own job timeout is this much longer than the one the job body enforces."""
+"""arq's own job timeout is this much longer than the one the job body enforces (by
+default; ``build_worker(timeout_margin_s=)``): time enough to write a dead letter."""
 EXTRA_TRIES = 5
 """arq's ``max_tries`` is this much above rollq's (see the module docstring)."""
 
@@ -108,40 +135,70 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
     try_number: int = ctx["job_try"]
     structlog.contextvars.bind_contextvars(group_id=group_id, job_try=try_number)
     try:
-        if try_number > max_tries:  # the worker of the last try died (killed, OOM)
-            await _give_up(runner, group_id, Verdict(
+        if try_number > max_tries:  # the last try's worker died, or its dead letter failed
+            verdict = Verdict(
                 Action.DEAD_LETTER, JOB_TIMEOUT,
-                f"after {max_tries} tries: the last try's worker died or the try ran past "
-                f"the {timeout_s} s job timeout"))
-            return "failed"
+                f"after {max_tries} tries: the last try did not finish (its worker died, "
+                f"it ran past the {timeout_s} s job timeout, or its dead letter could not "
+                f"be written)")
+        else:
+            deadline = asyncio.timeout(timeout_s)
+            try:
+                async with deadline:
+                    return await runner.run_job(group_id, position)
+            except asyncio.CancelledError:
+                # A graceful stop past its grace period (or arq's own timeout): arq puts
+                # the job back in the queue; the try it took is given back.
+                await asyncio.shield(_uncount_try(ctx))
+                raise
+            except Exception as exc:
+                if isinstance(exc, TimeoutError) and deadline.expired():
+                    exc = _ran_past(timeout_s, exc)
+                verdict = decide(exc, attempt=try_number, max_attempts=max_tries,
+                                 retry_unexpected=True)
+                if verdict.retry:
+                    defer = backoff_s(try_number, base_s=retry_base_s)
+                    log.warning("rollout_retried", reason=verdict.reason,
+                                detail=verdict.detail, defer_s=defer,
+                                servers=runner.pool.base_urls)
+                    raise Retry(defer=defer) from exc
+                if classify(exc).kind is Kind.UNEXPECTED:
+                    log.error("rollout_failed", exc_info=exc)
         try:
-            async with asyncio.timeout(timeout_s):
-                return await runner.run_job(group_id, position)
-        except Exception as exc:
-            verdict = decide(exc, attempt=try_number, max_attempts=max_tries,
-                             retry_unexpected=True)
-            if verdict.retry:
-                defer = backoff_s(try_number, base_s=retry_base_s)
-                log.warning("rollout_retried", reason=verdict.reason, detail=verdict.detail,
-                            defer_s=defer, servers=runner.pool.base_urls)
-                raise Retry(defer=defer) from exc
-            if classify(exc).kind is Kind.UNEXPECTED:
-                log.error("rollout_failed", exc_info=exc)
             await _give_up(runner, group_id, verdict)
-            return "failed"
+        except BrokerUnavailable as exc:  # arq must not record the job as failed: retry
+            defer = backoff_s(try_number, base_s=retry_base_s)
+            log.warning("rollout_dead_letter_deferred", reason=verdict.reason,
+                        error=str(exc), defer_s=defer)
+            raise Retry(defer=defer) from exc
+        return "dead_lettered"
     finally:
         structlog.contextvars.unbind_contextvars("group_id", "job_try")
 
 
+def _ran_past(timeout_s: float, cause: BaseException) -> TimeoutError:
+    error = TimeoutError(f"the try ran past the {timeout_s:g} s job timeout")
+    error.__cause__ = cause
+    return error
+
+
+async def _uncount_try(ctx: dict[str, Any]) -> None:
+    with contextlib.suppress(Exception):  # best effort: at worst the stop costs a try
+        await ctx["redis"].decr(retry_key_prefix + ctx["job_id"])
+
+
 async def _give_up(runner: RolloutRunner, group_id: str, verdict: Verdict) -> None:
     await runner.publisher.publish_failure(group_id, verdict.reason, verdict.detail)
-    log.error("rollout_dead_lettered", reason=verdict.reason, detail=verdict.detail)
+    log.error("rollout_dead_lettered", reason=verdict.reason, detail=verdict.detail,
+              servers=runner.pool.base_urls)
 
 
 async def requeue_rollout(queue: ArqRedis, run: str, env: str, position: int) -> bool:
-    """Enqueue the job of ``position`` again after it was dead-lettered: arq keeps a job's
-    result (and id) for a day, which would refuse the new job, so they are removed first.
-    Returns False when the job is queued or running now (nothing to requeue)."""
+    """Enqueue the job of ``position`` again after it was dead-lettered: arq keeps a
+    finished job's result (and so its id) for ``result_ttl_s``, which would refuse the new
+    job, so its result, job and try-count keys are removed first; the job starts again at
+    try 1 and publishes the same ``group_id``. Returns False when the job is queued or
+    running now (nothing to requeue)."""
     ident = job_id(run, env, position)
     if await queue.zscore(queue_name(run), ident) is not None:
         return False
@@ -169,6 +226,7 @@ def build_worker(
     poll_s: float = 0.02,
     retry_base_s: float = 1.0,
     result_ttl_s: float = 600.0,
+    timeout_margin_s: float = TIMEOUT_MARGIN_S,
     redis_options: Mapping[str, Any] | None = None,
     transport: Any = None,
 ) -> Worker:
@@ -208,7 +266,7 @@ def build_worker(
         ctx.pop("runner", None)
         log.info("worker_stopped", run=run)
 
-    arq_timeout_s = job_timeout_s + TIMEOUT_MARGIN_S  # the body times out first
+    arq_timeout_s = job_timeout_s + timeout_margin_s  # the body times out first
     return Worker(
         functions=[func(_rollout, name=JOB_FUNCTION, timeout=arq_timeout_s,
                         max_tries=max_tries + EXTRA_TRIES)],
@@ -227,6 +285,7 @@ def build_worker(
         poll_delay=poll_s,  # a finished job's slot waits up to this long for the next job
         job_completion_wait=grace_s,
         handle_signals=False,  # ops.roles maps SIGINT/SIGTERM to a graceful stop
+        expires_extra_ms=int(JOB_EXPIRY_S * 1000),
         # A finished job's id stays known this long, so a feeder that re-enqueues the
         # position at its cursor after a crash (seconds later) is refused; after that the
         # result expires and Redis stays flat over a weeks-long run (the trainer's

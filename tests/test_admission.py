@@ -13,20 +13,21 @@ from schemas.keys import POLICY_VERSION_FIELD, counters_key, state_key
 
 
 @pytest.mark.parametrize(
-    ("version", "consumed", "in_flight", "buffered", "staleness", "batch", "expected"),
+    ("version", "consumed", "outstanding", "staleness", "batch", "expected"),
     [
-        (0, 0, 0, 0, 0, 8, 8),  # fresh run: one batch
-        (0, 0, 0, 0, 1, 8, 16),  # one version of slack: two batches
-        (0, 0, 8, 8, 1, 8, 0),  # budget used up
-        (1, 8, 4, 4, 1, 8, 8),  # trainer stepped: a new batch is admitted
-        (0, 0, 20, 0, 1, 8, 0),  # over budget (after a restart): never negative
-        (5, 40, 0, 0, 0, 8, 8),
-        (3, 0, 0, 0, 2, 4, 24),
+        (0, 0, 0, 0, 8, 8),  # fresh run: one batch
+        (0, 0, 0, 1, 8, 16),  # one version of slack: two batches
+        (0, 0, 16, 1, 8, 0),  # budget used up (in flight + buffered)
+        (1, 8, 8, 1, 8, 8),  # trainer stepped: a new batch is admitted
+        (0, 0, 20, 1, 8, 0),  # over budget (after a restart): never negative
+        (5, 40, 0, 0, 8, 8),
+        (3, 0, 0, 2, 4, 24),
+        (2, 20, 3, 0, 8, 1),  # one slot left
     ],
 )
-def test_admit(version: int, consumed: int, in_flight: int, buffered: int, staleness: int,
-               batch: int, expected: int) -> None:
-    assert admit(version, consumed, in_flight, buffered, max_staleness=staleness,
+def test_admit(version: int, consumed: int, outstanding: int, staleness: int, batch: int,
+               expected: int) -> None:
+    assert admit(version, consumed, outstanding, max_staleness=staleness,
                  batch_groups=batch) == expected
 
 

@@ -109,7 +109,7 @@ class InferencePool:
         self._health_task: asyncio.Task[None] | None = None
         self._pause_poll: asyncio.Task[None] | None = None
         self._model_info: ModelInfo | None = None
-        self._model_lock: asyncio.Lock | None = None
+        self._model_task: asyncio.Task[ModelInfo] | None = None
         self._turn = itertools.count()
 
     async def __aenter__(self) -> Self:
@@ -122,7 +122,6 @@ class InferencePool:
                                 max_keepalive_connections=None),
         )
         self.servers = [InferenceServer(url, self._client) for url in self.base_urls]
-        self._model_lock = asyncio.Lock()
         if self.health_interval_s is not None:
             self._health_task = asyncio.create_task(self._watch_health(self.health_interval_s),
                                                     name="rollq-inference-health")
@@ -137,9 +136,10 @@ class InferencePool:
                 failure = task.exception()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        if self._pause_poll is not None:
-            self._pause_poll.cancel()
-            await asyncio.gather(self._pause_poll, return_exceptions=True)
+        for background in (self._pause_poll, self._model_task):
+            if background is not None:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -179,15 +179,24 @@ class InferencePool:
             add_special_tokens=add_special_tokens))
 
     async def model_info(self) -> ModelInfo:
-        """Name and context length of the served model (``/v1/models``, asked once)."""
+        """Name and context length of the served model (``/v1/models``, asked once).
+
+        Callers that ask at the same time share one discovery (one sequence of attempts),
+        and share its failure too: while the servers are down, every waiting job fails at
+        once and retries on its own schedule, instead of queueing behind a lock for a
+        full retry cycle each (which made a pool of 4 jobs retry one at a time)."""
         if self._model_info is not None:
             return self._model_info
-        if self._model_lock is None:
-            raise RuntimeError("InferencePool used outside 'async with'")
-        async with self._model_lock:
-            if self._model_info is None:
-                entries = await self._call("models", lambda s: s.models())
-                self._model_info = _select_model(entries, self.model)
+        self._live_servers()  # outside 'async with': RuntimeError
+        task = self._model_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._model_task = asyncio.create_task(self._discover_model(),
+                                                          name="rollq-inference-model")
+        return await asyncio.shield(task)  # a cancelled caller leaves it to the others
+
+    async def _discover_model(self) -> ModelInfo:
+        entries = await self._call("models", lambda s: s.models())
+        self._model_info = _select_model(entries, self.model)
         return self._model_info
 
     async def health(self) -> dict[str, bool]:
@@ -211,7 +220,7 @@ class InferencePool:
             error: InferenceUnavailable
             server = await self._acquire(avoid=failed)
             if server is None:
-                error = InferenceUnavailable("no healthy inference server")
+                error = self._none_healthy()
             else:
                 server.outstanding += 1
                 try:
@@ -239,7 +248,8 @@ class InferencePool:
                     f"{operation} failed after {failures} attempts: {error}") from error
             delay = self.backoff.delay(failures - 1)
             log.warning("inference_retried", operation=operation, attempt=failures,
-                        delay_s=round(delay, 3), error=str(error))
+                        server=server.base_url if server else None, delay_s=round(delay, 3),
+                        error=str(error))
             await asyncio.sleep(delay)
 
     async def _acquire(self, avoid: InferenceServer | None) -> InferenceServer | None:
@@ -306,24 +316,25 @@ class InferencePool:
             raise
 
     async def _probe(self, server: InferenceServer) -> None:
-        healthy = await server.health()
-        if healthy:
+        failure = await server.health_failure()
+        if failure is None:
             try:
                 server.paused = await server.is_paused()
             except (InferenceUnavailable, InferenceRequestError) as exc:
-                healthy = False
-                reason = f"/is_paused failed: {exc}"
-            else:
-                reason = "probe succeeded"
-        else:
-            reason = "/health failed"
-        self._mark(server, healthy=healthy, reason=reason)
+                failure = f"/is_paused failed: {exc}"
+        self._mark(server, healthy=failure is None, reason=failure or "probe succeeded")
 
     def _mark(self, server: InferenceServer, *, healthy: bool, reason: str) -> None:
         if server.healthy != healthy:
             event = "inference_server_recovered" if healthy else "inference_server_unhealthy"
             log.warning(event, server=server.base_url, reason=reason)
         server.healthy = healthy
+        server.unhealthy_reason = None if healthy else reason
+
+    def _none_healthy(self) -> InferenceUnavailable:
+        causes = "; ".join(f"{server.base_url}: {server.unhealthy_reason or 'unhealthy'}"
+                           for server in self.servers)
+        return InferenceUnavailable(f"no healthy inference server ({causes})")
 
     def _live_servers(self) -> list[InferenceServer]:
         if self._client is None:

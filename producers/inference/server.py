@@ -33,8 +33,9 @@ _RETRYABLE_4XX = frozenset({408, 409, 425, 429})
 class InferenceServer:
     """Client of one server's API, plus the state the pool balances on.
 
-    ``outstanding`` (requests in flight), ``healthy`` and ``paused`` are maintained by
-    ``InferencePool``; the calls themselves never change them.
+    ``outstanding`` (requests in flight), ``healthy``, ``unhealthy_reason`` (why the last
+    probe or request found it down: URL and cause, for log lines and errors) and ``paused``
+    are maintained by ``InferencePool``; the calls themselves never change them.
     """
 
     def __init__(self, base_url: str, client: httpx.AsyncClient) -> None:
@@ -42,6 +43,7 @@ class InferenceServer:
         self.client = client
         self.outstanding = 0
         self.healthy = True
+        self.unhealthy_reason: str | None = None
         self.paused = False
         self.pause_supported = True
 
@@ -110,11 +112,18 @@ class InferenceServer:
 
     async def health(self) -> bool:
         """True when ``/health`` answers 2xx; False on any error (never raises)."""
+        return await self.health_failure() is None
+
+    async def health_failure(self) -> str | None:
+        """None when ``/health`` answers 2xx, else why not (URL and cause; never raises)."""
+        url = self.base_url + "/health"
         try:
-            response = await self.client.get(self.base_url + "/health")
-        except httpx.HTTPError:
-            return False
-        return response.is_success
+            response = await self.client.get(url)
+        except httpx.HTTPError as exc:
+            return f"GET {url}: {type(exc).__name__}: {exc}"
+        if response.is_success:
+            return None
+        return f"GET {url} answered {response.status_code}"
 
     async def is_paused(self) -> bool:
         """``/is_paused``; False on servers without the route (vLLM before pause support)."""

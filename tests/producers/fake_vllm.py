@@ -15,7 +15,9 @@ Usage::
 
 Tests steer it through attributes and methods: ``latency_s``, ``down`` (every request,
 ``/health`` included, fails to connect), ``fail_next(kind, count)`` (``connect``, ``timeout``,
-``500``, ``400``), ``pause(mode)``/``resume()`` (or HTTP ``/pause``, ``/resume``), and
+``500``, ``400``), ``inject_faults(...)`` (a seeded fraction of calls failing with 5xx or a
+refused connection, and a fraction answering only after ``slow_s``: longer than a job
+timeout), ``pause(mode)``/``resume()`` (or HTTP ``/pause``, ``/resume``), and
 ``responder`` (prompt text, choice index → reply text) for scripted replies.
 """
 
@@ -34,6 +36,7 @@ import orjson
 IM_START, IM_END = 1, 2  # as the tiny model of the captured fixtures
 EOS = IM_END
 TEXT_OFFSET = 100
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize")
 
 
 def encode_text(text: str) -> list[int]:
@@ -83,6 +86,9 @@ class FakeVLLM:
         self.in_flight = 0
         self.max_in_flight = 0
         self._failures: deque[str] = deque()
+        self._faults: Faults | None = None
+        self.injected: Counter[str] = Counter()
+        """Faults injected so far, by kind (``connect``, ``503``, ``slow``...)."""
         self._resumed: asyncio.Event | None = None
         self._abort: asyncio.Event | None = None
 
@@ -91,6 +97,15 @@ class FakeVLLM:
     def fail_next(self, kind: str, count: int = 1) -> None:
         """Make the next ``count`` generation/tokenize requests fail with ``kind``."""
         self._failures.extend([kind] * count)
+
+    def inject_faults(self, *, failure_rate: float, slow_rate: float = 0.0,
+                      slow_s: float = 60.0, kinds: tuple[str, ...] = ("connect", "503"),
+                      paths: tuple[str, ...] = GENERATION_PATHS, seed: int = 0) -> None:
+        """From now on each call of ``paths`` fails with probability ``failure_rate`` (a
+        kind drawn from ``kinds``, as in ``fail_next``), or else with probability
+        ``slow_rate`` answers only after ``slow_s``; seeded, so a run repeats."""
+        self._faults = Faults(failure_rate, slow_rate, slow_s, kinds, paths,
+                              random.Random(seed))
 
     def pause(self, mode: str = "abort") -> None:
         self.paused, self.pause_mode = True, mode
@@ -125,8 +140,15 @@ class FakeVLLM:
             return _json({"object": "list", "data": [{
                 "id": self.model, "object": "model", "owned_by": "vllm",
                 "max_model_len": self.max_model_len}]})
-        if self._failures:
-            failure = self._failures.popleft()
+        failure = self._failures.popleft() if self._failures else None
+        if failure is None and self._faults is not None and path in self._faults.paths:
+            failure = self._faults.draw()
+            if failure is not None:
+                self.injected[failure] += 1
+            if failure == "slow":
+                await asyncio.sleep(self._faults.slow_s)
+                failure = None
+        if failure is not None:
             if failure == "connect":
                 raise httpx.ConnectError("connection refused", request=request)
             if failure == "timeout":
@@ -212,6 +234,28 @@ class FakeVLLM:
             ids, finish = ids[:max_tokens], "length"
         return {"index": index, "token_ids": ids, "finish_reason": finish,
                 "prompt_token_ids": prompt_ids}
+
+
+class Faults:
+    """What ``FakeVLLM.inject_faults`` set up."""
+
+    def __init__(self, failure_rate: float, slow_rate: float, slow_s: float,
+                 kinds: tuple[str, ...], paths: tuple[str, ...], rng: random.Random) -> None:
+        self.failure_rate = failure_rate
+        self.slow_rate = slow_rate
+        self.slow_s = slow_s
+        self.kinds = kinds
+        self.paths = paths
+        self.rng = rng
+
+    def draw(self) -> str | None:
+        """A failure kind, ``slow``, or None (a normal answer)."""
+        roll = self.rng.random()
+        if roll < self.failure_rate:
+            return self.rng.choice(self.kinds)
+        if roll < self.failure_rate + self.slow_rate:
+            return "slow"
+        return None
 
 
 def fake_transport(*servers: FakeVLLM) -> httpx.MockTransport:

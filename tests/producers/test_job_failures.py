@@ -1,16 +1,21 @@
 """Every way a rollout job can fail ends in a retry or a counted dead letter (the rollout
-rows of the failure taxonomy), and a run with flaky inference finishes its dataset."""
+rows of the failure taxonomy), a worker killed mid-job loses nothing, and a run with flaky
+inference finishes its dataset."""
 
 from __future__ import annotations
 
 import asyncio
-import random
+import signal
+import sys
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from producers.admission import outstanding
 from producers.envs.base import Env, Item, Rollout
@@ -18,9 +23,29 @@ from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout, job_id
-from schemas import ContractError, InferenceUnavailable, decode_dead, decode_trajectory
-from schemas.keys import ADMITTED_FIELD, counters_key, state_key, stream_key
+from producers.worker import (
+    build_worker,
+    connect_queue,
+    enqueue_rollout,
+    job_id,
+    queue_name,
+    requeue_rollout,
+)
+from schemas import (
+    BrokerUnavailable,
+    ContractError,
+    InferenceUnavailable,
+    decode_dead,
+    decode_trajectory,
+)
+from schemas.keys import (
+    ADMITTED_FIELD,
+    CONSUMED_COUNTER,
+    POLICY_VERSION_FIELD,
+    counters_key,
+    state_key,
+    stream_key,
+)
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
 
@@ -51,17 +76,20 @@ class FlakyEnv:
         return await self.inner.rollout(item, pool, **kwargs)
 
 
-def worker(url: str, env: FlakyEnv, fake: FakeVLLM, *, max_tries: int = 3,
-           job_timeout_s: float = 5.0, concurrency: int = 4, run: str = RUN) -> Any:
+def worker(url: str, env: Env, fake: FakeVLLM, *, max_tries: int = 3,
+           job_timeout_s: float = 5.0, concurrency: int = 4, run: str = RUN,
+           **options: Any) -> Any:
+    options.setdefault("burst", True)
+    options.setdefault("retry_base_s", 0.01)
     return build_worker(
         redis_url=url, run=run, env_factory=lambda: env, inference_urls=[fake.base_url],
         model=None, sampling=SamplingParams(max_tokens=8), group_size=2,
         concurrency=concurrency, job_timeout_s=job_timeout_s, max_tries=max_tries,
-        request_timeout_s=5, burst=True, retry_base_s=0.01, transport=fake_transport(fake))
+        request_timeout_s=5, transport=fake_transport(fake), **options)
 
 
-async def run_positions(url: str, redis: aioredis.Redis, env: FlakyEnv, positions: list[int],
-                        **options: Any) -> None:
+async def run_positions(url: str, redis: aioredis.Redis, env: Env, positions: list[int],
+                        *, fake: FakeVLLM | None = None, **options: Any) -> None:
     await Publisher(redis, RUN).register()
     queue = await connect_queue(url)
     try:
@@ -70,11 +98,21 @@ async def run_positions(url: str, redis: aioredis.Redis, env: FlakyEnv, position
     finally:
         await queue.aclose()
     await redis.hincrby(state_key(RUN), ADMITTED_FIELD, len(positions))
-    arq_worker = worker(url, env, FakeVLLM(), **options)
+    await drain(url, env, fake or FakeVLLM(), **options)
+
+
+async def drain(url: str, env: Env, fake: FakeVLLM, **options: Any) -> None:
+    """Run a burst worker until the queue is empty."""
+    arq_worker = worker(url, env, fake, **options)
     try:
         await asyncio.wait_for(arq_worker.main(), 60)
     finally:
         await arq_worker.close()
+
+
+async def published(redis: aioredis.Redis) -> list[str]:
+    return [decode_trajectory(f).group_id for _, f in
+            await redis.xrange(stream_key(RUN, 0, "traj"))]
 
 
 async def dead_letters(redis: aioredis.Redis) -> dict[str, tuple[str, str]]:
@@ -122,7 +160,27 @@ async def test_each_failure_ends_in_a_counted_dead_letter(
     assert env.calls == Counter({0: calls, 1: calls})
     if calls > 1:
         assert all(d.startswith(f"after {calls} tries") for _, d in letters.values())
+    if reason == "job_timeout":
+        assert all("ran past the 0.3 s job timeout" in d for _, d in letters.values())
     assert int(await real_redis.hget(counters_key(RUN, 0), f"drop:{reason}")) == 2
+    assert await slot_freed(real_redis)
+
+
+@pytest.mark.slow
+async def test_a_multi_turn_env_that_loses_inference_is_retried_then_dead_lettered(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """A group's episodes run in a TaskGroup, which wraps their ``InferenceUnavailable`` in
+    an ``ExceptionGroup``: still a transient failure, retried, then dead-lettered as
+    ``inference_unavailable`` with the cause."""
+    fake = FakeVLLM()
+    fake.inject_faults(failure_rate=1.0, kinds=("503",), paths=("/v1/completions",))
+    env = make_env("guess")
+    await run_positions(redis_server.url, real_redis, env, [0], fake=fake, max_tries=2)
+    ((reason, detail),) = (await dead_letters(real_redis)).values()
+    assert reason == "inference_unavailable"
+    assert detail.startswith("after 2 tries") and "answered 503" in detail
+    # each try: one episode's 4 pool attempts, then the TaskGroup cancels its sibling
+    assert fake.counts["/v1/completions"] >= 2 * 4
     assert await slot_freed(real_redis)
 
 
@@ -135,9 +193,7 @@ async def test_a_transient_failure_then_success_publishes_once(
     env = FlakyEnv(behave)
     await run_positions(redis_server.url, real_redis, env, [0, 1, 2])
     assert await dead_letters(real_redis) == {}
-    groups = [decode_trajectory(f) for _, f in
-              await real_redis.xrange(stream_key(RUN, 0, "traj"))]
-    assert sorted(g.group_id for g in groups) == [job_id(RUN, "gsm8k", p) for p in range(3)]
+    assert sorted(await published(real_redis)) == [job_id(RUN, "gsm8k", p) for p in range(3)]
 
 
 async def test_a_try_after_a_killed_last_try_is_dead_lettered(
@@ -153,45 +209,234 @@ async def test_a_try_after_a_killed_last_try_is_dead_lettered(
     assert await slot_freed(real_redis)
 
 
-@pytest.mark.slow
-async def test_flaky_inference_and_timeouts_never_stall_the_dataset(
-        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
-    """30% of inference calls fail and 5% of tries run past the job timeout: every item
-    ends published or dead-lettered with a reason, and the feeder never stalls."""
-    rng = random.Random(7)
+async def test_a_dead_letter_that_cannot_be_written_is_retried_not_lost(
+        real_redis: aioredis.Redis, redis_server: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis refusing the dead letter must not let arq record the job as failed (which
+    would keep its slot forever): the job is retried, and the next try writes it."""
+    write = Publisher.publish_failure
+    refusals = [BrokerUnavailable("redis unavailable while recording a failure")]
 
-    def behave(index: int, call: int) -> Any:
-        roll = rng.random()
-        if roll < 0.30:
-            raise InferenceUnavailable("injected: connection refused")
-        if roll < 0.35:
-            return asyncio.sleep(30)  # past the job timeout
-        return None
+    async def flaky_write(self: Publisher, *args: Any, **kwargs: Any) -> str:
+        if refusals:
+            raise refusals.pop()
+        return await write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Publisher, "publish_failure", flaky_write)
+    env = FlakyEnv(_raise(ContractError("bad item")))
+    await run_positions(redis_server.url, real_redis, env, [0])
+    assert not refusals and env.calls == Counter({0: 2})
+    assert {r for r, _ in (await dead_letters(real_redis)).values()} == {"contract_error"}
+    assert int(await real_redis.hget(counters_key(RUN, 0), "drop:contract_error")) == 1
+    assert await slot_freed(real_redis)
+
+
+async def test_a_dead_lettered_job_is_requeued_under_the_same_group_id(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    broken = {4}
+
+    def behave(index: int, call: int) -> None:
+        if index in broken:
+            raise ContractError("bad item")
 
     env = FlakyEnv(behave)
+    await run_positions(redis_server.url, real_redis, env, [4])
+    ident = job_id(RUN, env.name, 4)
+    assert set(await dead_letters(real_redis)) == {ident}
+    queue = await connect_queue(redis_server.url)
+    try:
+        assert not await enqueue_rollout(queue, RUN, env.name, 4)  # arq still knows the id
+        broken.clear()
+        assert await requeue_rollout(queue, RUN, env.name, 4)
+        assert not await requeue_rollout(queue, RUN, env.name, 4)  # queued: nothing to do
+    finally:
+        await queue.aclose()
+    await drain(redis_server.url, env, FakeVLLM(), max_tries=1)  # starts again at try 1
+    assert await published(real_redis) == [ident]
+    assert env.calls == Counter({4: 2})
+
+
+async def test_a_try_cut_short_by_a_graceful_stop_goes_back_to_the_queue_uncounted(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    started = asyncio.Event()
+
+    async def hang() -> None:
+        started.set()
+        await asyncio.sleep(60)
+
+    env = FlakyEnv(lambda index, call: hang() if call == 1 else None)
     await Publisher(real_redis, RUN).register()
     queue = await connect_queue(redis_server.url)
-    items = 40
+    try:
+        assert await enqueue_rollout(queue, RUN, env.name, 2)
+    finally:
+        await queue.aclose()
+    stopping = worker(redis_server.url, env, FakeVLLM(), max_tries=1, burst=False, grace_s=0)
+    running = asyncio.create_task(stopping.async_run())
+    try:
+        await asyncio.wait_for(started.wait(), 20)
+        stopping.handle_sig_wait_for_completion(signal.SIGTERM)  # what `rollq workers` does
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(running, 20)
+    finally:
+        await stopping.close()
+    ident = job_id(RUN, env.name, 2)
+    assert await real_redis.zscore(queue_name(RUN), ident) is not None  # back in the queue
+    assert await published(real_redis) == [] and await dead_letters(real_redis) == {}
+    await drain(redis_server.url, env, FakeVLLM(), max_tries=1)  # try 1 again, not try 2
+    assert await published(real_redis) == [ident]
+    assert await dead_letters(real_redis) == {}
+
+
+@pytest.mark.slow
+async def test_jobs_retry_concurrently_and_name_the_server_and_the_cause(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """With the inference server refusing connections, 4 jobs at concurrency 4 fail
+    together (not one retry cycle after another), and the log lines and dead letters name
+    the server's URL and the cause."""
+    fake = FakeVLLM()
+    fake.down = True
+    env = FlakyEnv(lambda index, call: None)
+    with capture_logs() as logs:
+        await run_positions(redis_server.url, real_redis, env, [0, 1, 2, 3], fake=fake,
+                            max_tries=1, concurrency=4, job_timeout_s=30)
+    letters = [decode_dead(f) for _, f in await real_redis.xrange(stream_key(RUN, 0, "dead"))]
+    assert len(letters) == 4 and {letter.reason for letter in letters} == {
+        "inference_unavailable"}
+    for letter in letters:
+        assert fake.base_url in letter.detail and "ConnectError" in letter.detail
+    # one shared retry cycle (~3.5 s of pool back-off), not four in a row
+    spread = max(x.dead_at for x in letters) - min(x.dead_at for x in letters)
+    assert spread < 1.0
+    lines = [line for line in logs if line["event"] == "rollout_dead_lettered"]
+    assert len(lines) == 4
+    for line in lines:
+        assert line["servers"] == [fake.base_url]
+        assert fake.base_url in line["detail"] and "connection refused" in line["detail"]
+    assert await slot_freed(real_redis)
+
+
+CHILD_WORKER = """
+import asyncio, sys
+from producers.inference import SamplingParams
+from producers.worker import build_worker
+from tests.producers.fake_vllm import FakeVLLM, fake_transport
+from tests.producers.slow_env import SlowEnv
+
+async def main() -> None:
+    fake = FakeVLLM()
+    worker = build_worker(
+        redis_url=sys.argv[1], run=sys.argv[2], env_factory=lambda: SlowEnv(60.0),
+        inference_urls=[fake.base_url], model=None, sampling=SamplingParams(max_tokens=8),
+        group_size=2, concurrency=1, job_timeout_s=2.0, max_tries=3, request_timeout_s=5,
+        timeout_margin_s=1.0, transport=fake_transport(fake))
+    await worker.main()
+
+asyncio.run(main())
+"""
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.slow
+async def test_a_job_whose_worker_was_killed_is_run_again_after_the_job_timeout(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """SIGKILL mid-job: arq holds the job for the job timeout (+ margins), then a second
+    worker runs it; the group is published under its group id, nothing is dead-lettered."""
+    await Publisher(real_redis, RUN).register()
+    queue = await connect_queue(redis_server.url)
+    try:
+        assert await enqueue_rollout(queue, RUN, "gsm8k", 7)
+    finally:
+        await queue.aclose()
+    await real_redis.hincrby(state_key(RUN), ADMITTED_FIELD, 1)
+    ident = job_id(RUN, "gsm8k", 7)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD_WORKER, redis_server.url, RUN, cwd=REPO,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        await until(lambda: real_redis.exists(f"arq:in-progress:{ident}"), 60,
+                    "the first worker to start the job")
+    finally:
+        child.kill()
+        await child.wait()
+    killed_at = time.monotonic()
+    held_s = await real_redis.pttl(f"arq:in-progress:{ident}") / 1000
+    assert held_s > 5  # job timeout 2 s + margin 1 s + arq's 10 s, from the try's start
+    env = FlakyEnv(lambda index, call: None)
+    await drain(redis_server.url, env, FakeVLLM(), job_timeout_s=2.0, timeout_margin_s=1.0)
+    assert time.monotonic() - killed_at >= held_s - 0.5  # not before arq released it
+    groups = await published(real_redis)
+    assert set(groups) == {ident} and len(groups) <= 2  # a duplicate is dropped downstream
+    assert env.calls == Counter({7: 1})
+    assert await dead_letters(real_redis) == {}
+    assert await slot_freed(real_redis)
+
+
+async def consume_until_accounted(redis: aioredis.Redis, total: int, batch: int) -> None:
+    """A stand-in trainer: consumes what is published and steps a version per batch, until
+    every position is published or dead-lettered."""
+    while True:
+        groups = set(await published(redis))
+        await redis.hset(counters_key(RUN, 0), CONSUMED_COUNTER, len(groups))
+        await redis.hset(state_key(RUN), POLICY_VERSION_FIELD, len(groups) // batch)
+        if len(groups | set(await dead_letters(redis))) >= total:
+            return
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_a_run_with_failing_inference_and_timeouts_finishes_its_dataset(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """The acceptance scenario: the inference server fails 30% of calls (refused
+    connections and 503s) and answers 5% only after the job timeout. The real feeder, with
+    a budget of one batch ahead of the trainer, admits the whole dataset: every item ends
+    published or dead-lettered with a reason, and no slot leaks (a leak would stall it)."""
+    items, batch = 40, 6
+    fake = FakeVLLM()
+    fake.inject_faults(failure_rate=0.30, slow_rate=0.05, slow_s=60, seed=11)
+    env = FlakyEnv(lambda index, call: None)
+    await Publisher(real_redis, RUN).register()
+    queue = await connect_queue(redis_server.url)
 
     async def enqueue(position: int) -> bool:
         return await enqueue_rollout(queue, RUN, env.name, position)
 
     feeder = Feeder(real_redis, RUN, FeedPlan(dataset_size=items, epochs=1, max_staleness=0,
-                                              batch_groups=items), enqueue)
-    arq_worker = worker(redis_server.url, env, FakeVLLM(), max_tries=3, job_timeout_s=0.3,
-                        concurrency=8)
+                                              batch_groups=batch), enqueue)
+    pool = worker(redis_server.url, env, fake, max_tries=4, job_timeout_s=1.5, concurrency=8,
+                  burst=False, retry_base_s=0.05, timeout_margin_s=1.0)
+    stop = asyncio.Event()
+    feeding = asyncio.create_task(feeder.run_until(stop, 0.05))
+    working = asyncio.create_task(pool.main())
     try:
-        assert await feeder.feed_once() == items
-        await asyncio.wait_for(arq_worker.main(), 120)
+        await asyncio.wait_for(consume_until_accounted(real_redis, items, batch), 110)
+        await asyncio.wait_for(feeding, 5)  # it saw the whole dataset admitted
     finally:
-        await arq_worker.close()
+        stop.set()
+        working.cancel()
+        await asyncio.gather(feeding, working, return_exceptions=True)
+        await pool.close()
         await queue.aclose()
-    published = {decode_trajectory(f).group_id for _, f in
-                 await real_redis.xrange(stream_key(RUN, 0, "traj"))}
+    groups = set(await published(real_redis))
     letters = await dead_letters(real_redis)
-    assert published | set(letters) == {job_id(RUN, env.name, p) for p in range(items)}
-    assert not published & set(letters)
-    assert {reason for reason, _ in letters.values()} <= {"inference_unavailable",
-                                                          "job_timeout"}
-    assert len(published) > items // 2
-    assert await slot_freed(real_redis)  # nothing holds a slot it will never give back
+    assert groups | set(letters) == {job_id(RUN, env.name, p) for p in range(items)}
+    assert not groups & set(letters)
+    assert all(reason in {"inference_unavailable", "job_timeout"} for reason, _ in
+               letters.values())
+    assert all("job timeout" in detail for reason, detail in letters.values()
+               if reason == "job_timeout")
+    assert fake.injected["connect"] and fake.injected["503"] and fake.injected["slow"]
+    assert int(await real_redis.hget(state_key(RUN), ADMITTED_FIELD)) == items
+    counters = {k.decode(): int(v) for k, v in
+                (await real_redis.hgetall(counters_key(RUN, 0))).items()}
+    assert outstanding(items, counters)[1] == 0  # the trainer consumed every published group
+
+
