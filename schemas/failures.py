@@ -48,6 +48,8 @@ REWARD_ERROR = "reward_error"
 """A reward component could not run (raised, timed out, its process died) after retries."""
 MISSING_FIELD = "reward_missing_field"
 """The group lacks a metadata field a reward component needs (e.g. the gold answer)."""
+BAD_REWARD_DATA = "reward_bad_data"
+"""A metadata field a reward component needs is malformed (e.g. a code task's tests)."""
 INFERENCE_UNAVAILABLE = "inference_unavailable"
 """Inference failed on every try of a rollout job."""
 BROKER_UNAVAILABLE = "broker_unavailable"
@@ -137,6 +139,8 @@ def _classify_one(exc: BaseException) -> Failure:
         reason = getattr(exc, "reason", "")
         if reason == "missing_field":  # the data lacks the field: no retry can add it
             return Failure(Kind.CONTRACT, MISSING_FIELD, detail)
+        if reason == "bad_tests":  # the env's own data is malformed: no retry can fix it
+            return Failure(Kind.CONTRACT, BAD_REWARD_DATA, detail)
         return Failure(Kind.REWARD, REWARD_ERROR, detail)
     if isinstance(exc, InferenceUnavailable):
         return Failure(Kind.TRANSIENT, INFERENCE_UNAVAILABLE, detail)
