@@ -195,6 +195,9 @@ class InferencePool:
         return await asyncio.shield(task)  # a cancelled caller leaves it to the others
 
     async def _discover_model(self) -> ModelInfo:
+        # It serves every waiting job: the log context of the one that started it is not
+        # its own (the task runs in a copy of that context, so this clears only the copy).
+        structlog.contextvars.clear_contextvars()
         entries = await self._call("models", lambda s: s.models())
         self._model_info = _select_model(entries, self.model)
         return self._model_info
