@@ -145,6 +145,9 @@ class WorkerSettings(CommonSettings):
     """A job running longer is cancelled and retried (arq ``job_timeout``)."""
     max_tries: int = Field(default=5, ge=1)
     request_timeout_s: float = Field(default=300.0, gt=0)
+    grace_s: int = Field(default=25, ge=0)
+    """On SIGINT/SIGTERM, jobs in hand get this long to finish (seconds) before they are
+    cancelled back into the queue; below Kubernetes' default 30 s stop window."""
     job_result_ttl_s: float = Field(default=600.0, gt=0)
     """How long a finished job's id (and arq's result) is kept (seconds); a re-enqueue of
     the same position within it is refused."""
