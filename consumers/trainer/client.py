@@ -69,9 +69,10 @@ from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.staleness import is_stale
 from consumers.trainer.weights import PolicyPublisher
-from schemas import DecodeError, ScoredGroup, decode_scored
+from schemas import BrokerUnavailable, DecodeError, ScoredGroup, decode_scored
 from schemas.failures import decide
 from schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
+from schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.trainer")
 
@@ -132,6 +133,8 @@ class TrainerClient:
         self._started = False
         self._last_reclaim = 0.0
         self._empty_reads = 0
+        self._rider = OutageRider(give_up_s=self.settings.redis_give_up_s, what="trainer",
+                                  log=log)
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions = await self._ledger.register(self.settings.partitions)
@@ -178,7 +181,25 @@ class TrainerClient:
         group even if that group alone exceeds them. Without any, ``batch_groups`` groups.
         ``timeout_s`` bounds the wait and returns what is there (possibly empty); None waits
         for a full batch, 0 takes only what is available now.
+
+        A Redis outage is ridden out (``redis_give_up_s``): the call waits it out, takes
+        back the entries this consumer held when Redis went away, and goes on; past the
+        give-up time it raises ``BrokerUnavailable``.
         """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                batch = await self._next_batch(groups, sequences, max_tokens, remaining)
+            except BrokerUnavailable as exc:
+                await self._rider.failed(exc)
+                self._started = False  # then re-read what this consumer holds in Redis
+                continue
+            self._rider.recovered()
+            return batch
+
+    async def _next_batch(self, groups: int | None, sequences: int | None,
+                          max_tokens: int | None, timeout_s: float | None) -> Batch:
         size = BatchSize.of(groups, sequences, max_tokens, self.settings.batch_groups)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._started:
@@ -235,8 +256,14 @@ class TrainerClient:
     async def ack(self, batch: BatchData) -> int:
         """Acknowledge a batch after its optimizer step (``batch.ack()`` calls this).
 
-        Returns how many entries were counted ``consumed`` by this call.
+        Returns how many entries were counted ``consumed`` by this call. A Redis outage is
+        ridden out like ``next_batch``'s; retrying after a failure half-way is safe: the
+        seen-set write repeats the same value, a log entry written twice replays once
+        (``load_state`` dedups), and ``ack_counted`` counts only entries it acks first.
         """
+        return await self._rider.call(lambda: self._ack(batch))
+
+    async def _ack(self, batch: BatchData) -> int:
         held = [self._held[ref] for e in batch.entries if (ref := (e.stream, e.entry_id))
                 in self._held]
         fresh = [h for h in held if not h.replay]
@@ -333,7 +360,7 @@ class TrainerClient:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         await self._publisher.publish(step, os.fspath(weights_dir))
-        in_force = await self._ledger.raise_policy_version(step)
+        in_force = await self._rider.call(lambda: self._ledger.raise_policy_version(step))
         self._version = step
         log.info("policy_published", run=self.run, step=step, in_force=in_force,
                  servers=len(self._publisher.urls))

@@ -49,6 +49,10 @@ class TrainerClientSettings:
     ids are only checked to be >= 0."""
     partitions: int = 1
     """Partition count to register when the run does not exist yet (the stored count wins)."""
+    redis_give_up_s: float = 300.0
+    """How long ``next_batch``, ``ack`` and ``publish_policy`` ride out a Redis outage
+    (seconds of continuous failure) before they raise ``BrokerUnavailable``; 0 fails at
+    once."""
     dedup_window_s: float = 6 * 3600.0
     """How long a trained group's id is remembered to drop copies of it (seconds); every
     copy that can still arrive does within it (see ``consumers.trainer.ledger``), so the

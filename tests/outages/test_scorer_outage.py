@@ -92,3 +92,38 @@ async def _groups_exist(redis: aioredis.Redis) -> bool:
         return bool(await redis.xinfo_groups(stream_key(RUN, 0, "traj")))
     except aioredis.ResponseError:
         return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", [False, True], ids=["shutdown", "kill-9"])
+async def test_the_trainer_sdk_rides_out_redis_restarts(make_redis_server: type,
+                                                        kill: bool) -> None:
+    """A trainer waiting in next_batch while Redis restarts gets its batch after, and
+    every group is trained once."""
+    from consumers.trainer import TrainerClient, TrainerClientSettings
+    from tests.trainer.helpers import publish_scored
+
+    server = make_redis_server(appendonly=True).start()
+    redis = aioredis.Redis.from_url(server.url)
+    for i in range(6):
+        await publish_scored(redis, make_group(run="test", group_id=f"a{i}", seed=i))
+    settings = TrainerClientSettings(block_ms=100, redis_give_up_s=30)
+    trained: list[str] = []
+    with capture_logs() as logs:
+        async with TrainerClient(redis, run="test", consumer="t0", settings=settings) as client:
+            batch = await client.next_batch(groups=3, timeout_s=5)
+            await asyncio.to_thread(server.restart, kill=kill)  # between a read and the ack
+            await client.ack(batch)
+            trained += batch.group_ids
+            waiting = asyncio.create_task(client.next_batch(groups=6, timeout_s=30))
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(server.restart, kill=kill)  # while it waits
+            for i in range(3):
+                await publish_scored(redis, make_group(run="test", group_id=f"b{i}", seed=9 + i))
+            batch = await asyncio.wait_for(waiting, 40)
+            await client.ack(batch)
+            trained += batch.group_ids
+    assert sorted(trained) == sorted([f"a{i}" for i in range(6)] + [f"b{i}" for i in range(3)])
+    events = [entry["event"] for entry in logs]
+    assert events.count("redis_outage_ended") >= 1 and "redis_outage_gave_up" not in events
+    await redis.aclose()
