@@ -8,8 +8,9 @@ logprobs, gzip-compressed JSON as atroposlib's env sends them); then the trainer
 ``/batch`` until every group came out (asking for gzip, as ``requests`` does). Reported per
 server, medians of ``--runs`` runs: ingest and egress groups/s, ``/batch`` p50/p99 as the
 trainer sees it (request to parsed batch: transfer, the client's gunzip and JSON parse
-included) and until the answer's headers arrive (the server's own time: the body is
-sent right behind them).
+included) and until the answer's headers arrive (the server's own time to assemble the
+batch; rollq streams the body behind them, so for clients that refuse gzip its per-group
+inflate falls in the first figure, not this one).
 
     .venv/bin/python -m bench.atropos_api [--runs 3] [--groups 128] [--clients 8]
 
