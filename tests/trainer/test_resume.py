@@ -79,7 +79,7 @@ async def test_crash_during_replay_and_checkpoint_mid_replay(redis: aioredis.Red
 
 async def test_crash_between_recording_and_acking(redis: aioredis.Redis) -> None:
     ids = await publish_many(redis, 6)
-    async with client(redis) as tc:
+    async with client(redis, redis_give_up_s=0) as tc:  # the outage is not ridden out
         model = await train(tc, 1)
         saved = checkpoint(tc)
         batch = await tc.next_batch(groups=3)
@@ -101,7 +101,7 @@ async def test_crash_between_recording_and_acking(redis: aioredis.Redis) -> None
 
 async def test_state_after_a_recorded_step_only_finishes_its_ack(redis: aioredis.Redis) -> None:
     ids = await publish_many(redis, 6)
-    async with client(redis) as tc:
+    async with client(redis, redis_give_up_s=0) as tc:  # the outage is not ridden out
         model = await train(tc, 1)
         batch = await tc.next_batch(groups=3)
         model += batch.group_ids
