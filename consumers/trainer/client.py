@@ -79,7 +79,9 @@ log = structlog.get_logger("rollq.trainer")
 TRAINER_GROUP = "trainer"
 """Consumer group of trainers on the scored streams."""
 STATE_FORMAT = 1
-_SEEN_CACHE = 100_000
+_SEEN_CACHE = 10_000
+"""Recent acks remembered in memory (a fast path: the seen-set in Redis is the truth); small
+enough that a trainer's memory plateaus within minutes."""
 
 
 @dataclass(eq=False)
