@@ -62,7 +62,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _I32, _F32, _U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<u1")
 _DEAD_PAYLOAD_PREFIX = b"payload:"
-_VERSION_TEXT = re.compile(rb"-?[0-9]{1,10}")  # [0, 2^31) has at most 10 digits
+_VERSION_TEXT = re.compile(rb"[0-9]{1,10}")  # an ASCII int (no sign); [0, 2^31) has <= 10 digits
 
 
 def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:

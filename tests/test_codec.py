@@ -326,6 +326,8 @@ INVALID_VALUES = {
     "version_2_31": ({b"policy_version": str(2**31).encode()}, "policy_version"),
     "version_10_30": ({b"policy_version": b"1" + b"0" * 30}, "policy_version"),
     "version_with_underscores": ({b"policy_version": b"1_0"}, "not a decimal integer"),
+    "version_with_a_sign": ({b"policy_version": b"-0"}, "not a decimal integer"),
+    "version_with_a_plus": ({b"policy_version": b"+1"}, "not a decimal integer"),
     "completion_version_2_31": ({b"meta": _meta(completion={"policy_version": 2**31})},
                                 "'meta' is invalid.*policy_version"),
     "empty_completion": ({b"lengths": _i32(0, 8)}, "empty completion"),
