@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from ops import dead as dead_command
+from ops import dead_cli as dead_command
 from ops import runs as runs_command
 from ops.atropos import command as atropos_command
 from ops.cli import Exit, redis_client, settings_for

@@ -1,63 +1,101 @@
-"""``rollq dead``: list, show and requeue a run's dead letters (the "retry from the dead set"
-workflow of Sidekiq and Kafka DLQs).
+"""Dead letters of a run: list, look up and requeue them (the "retry from the dead set"
+workflow of Sidekiq and Kafka DLQs). The command line is ``ops.dead_cli``.
 
 Requeueing a letter puts its work back where it failed:
 
 - a stream entry (a scorer's traj entry, a trainer's scored entry) is re-added to its
-  source stream with its original fields, byte for byte (same ``group_id``);
+  source stream with its original fields, byte for byte (same ``group_id``), and is
+  processed again by that stream's consumer groups;
 - a rollout job (``source_stream`` ``jobs:<run>``) is enqueued again under its job id
   (``producers.worker.requeue_rollout``), so it publishes the same ``group_id``.
 
-Per letter, one script on the partition's keys (they share a hash tag) deletes the letter,
-adds the entry back, subtracts one from ``drop:<reason>`` (the counters keep saying what is
-dead now, and the admission budget sees the group in flight again) and adds one to
-``requeued``. Only the caller whose ``XDEL`` removed the letter does the rest, so a letter
-requeued twice at once is requeued once. The trainer drops a copy of a group it already
-trained (its seen-set, which remembers a group for the dedup window), so requeueing never
-trains a group twice; a stream letter too old for that window is skipped unless forced.
+Accounting, per letter and atomic (the partition's keys share a hash tag): the letter is
+deleted, ``drop:<reason>`` goes down by one (the counters keep saying what is dead now, and
+the admission budget sees the group in flight again) and ``requeued`` up by one. For a
+stream entry the copy is XADDed in the same MULTI/EXEC, and the script after it deletes the
+copy again unless its own XDEL removed the letter, so of two callers requeueing one letter
+exactly one re-adds it (as ``consumers.bus`` forwards: the payload, up to a whole group,
+stays out of the script's arguments). A rollout job is enqueued only while its letter is
+still there, and the letter is then removed by the same script.
+
+Requeueing never trains a group twice: the ``group_id`` is kept, and the trainer drops a
+copy of a group it already trained (its seen-set, which remembers a group for
+``dedup_window_s``). A stream letter first published longer ago than that window (minus
+``PUBLISH_WINDOW_S``) is therefore skipped unless forced (``dedup_window_s=None``).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import re
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
+import structlog
 
-from consumers.bus import translated_errors
+from consumers.bus import is_entry_id, join_trajectories, translated_errors
+from consumers.trainer import TrainerClientSettings
 from producers.worker import connect_queue, requeue_rollout
-from schemas import DeadLetter, DecodeError, ScoredGroup, decode, decode_dead
+from schemas import (
+    DeadLetter,
+    DecodeError,
+    Fields,
+    ScoredGroup,
+    decode,
+    decode_dead,
+    trajectory_ref,
+)
 from schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
-    check_run_name,
     counters_key,
     state_key,
-    stream_keys,
+    stream_key,
 )
 
-# KEYS[1] dead stream, KEYS[2] counters, KEYS[3] source stream ('' for a rollout job);
-# ARGV[1] letter id, ARGV[2] drop counter field, ARGV[3..] the payload's field/value pairs.
-_REQUEUE = """
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return false end
-redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
-redis.call('HINCRBY', KEYS[2], 'requeued', 1)
-if #ARGV > 2 then
-  local fields = {}
-  for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-  return redis.call('XADD', KEYS[3], '*', unpack(fields))
+log = structlog.get_logger("rollq.dead")
+
+REQUEUED_COUNTER = "requeued"
+"""Counters-hash field: letters requeued from this partition's dead stream, ever."""
+RESCORE_GROUP = "rescore"
+"""The ``consumer_group`` of rescore's dead letters (``ops.rescore``): run rescore again."""
+JOB_SOURCE_PREFIX = "jobs:"
+PUBLISH_WINDOW_S = 3600.0
+"""Every copy of a group is published within this of the others (re-runs of its job)."""
+DEDUP_WINDOW_S = TrainerClientSettings().dedup_window_s
+"""The trainers' default ``dedup_window_s``."""
+
+# Run inside MULTI right after the XADD of the copy (to KEYS[3], absent for a rollout job).
+# KEYS[1] dead stream, KEYS[2] counters, KEYS[3] the copy's stream, KEYS[4] the traj stream
+# when ARGV[4] names a traj entry (a reference-form scored copy); ARGV[1] letter id,
+# ARGV[2] drop:<reason>, ARGV[3] the requeued counter, ARGV[4] traj entry id or ''.
+# Returns 1 (requeued), 0 (the letter was gone: requeued by someone else) or -1 (the traj
+# entry the copy names is gone: requeueing would only dead-letter it again).
+_CLAIM = """
+local function undo()
+  if #KEYS > 2 then
+    local added = redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)
+    redis.call('XDEL', KEYS[3], added[1][1])
+  end
 end
-return 'job'
+if ARGV[4] ~= '' and #redis.call('XRANGE', KEYS[4], ARGV[4], ARGV[4]) == 0 then
+  undo()
+  return -1
+end
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
+  undo()
+  return 0
+end
+redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+return 1
 """
-_JOB_SOURCE = "jobs:"
+_PAGE = 256
+_TIME_AGO = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 @dataclass(frozen=True)
@@ -65,8 +103,13 @@ class Letter:
     """One dead letter and where it lies."""
 
     stream: str
+    """The dead stream holding it, ``rollq:{<run>:<p>}:dead``."""
     entry_id: str
     letter: DeadLetter
+
+    @property
+    def partition(self) -> int:
+        return int(self.stream.rsplit("}", 1)[0].rsplit(":", 1)[1])
 
     @property
     def group_id(self) -> str:
@@ -75,302 +118,314 @@ class Letter:
 
     @property
     def is_job(self) -> bool:
-        return self.letter.source_stream.startswith(_JOB_SOURCE)
+        return self.letter.source_stream.startswith(JOB_SOURCE_PREFIX)
+
+    @property
+    def source(self) -> str:
+        """``job``, ``traj`` or ``scored`` (the stream's last part), for one-line listings."""
+        return "job" if self.is_job else self.letter.source_stream.rsplit(":", 1)[-1]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What ``requeue`` did with one letter."""
+
+    letter: Letter
+    action: Literal["requeued", "gone", "skipped", "would_requeue"]
+    """``gone``: someone else requeued (or deleted) it meanwhile; ``would_requeue``: a dry
+    run's answer."""
+    detail: str
 
 
 def parse_time(value: str, now: float | None = None) -> float:
-    """Unix seconds from ``30s``/``15m``/``2h``/``3d`` ago, or an ISO 8601 time."""
+    """Unix seconds from an age (``30s``, ``15m``, ``2h``, ``3d`` ago) or an ISO 8601 time
+    (UTC when it names no zone). Raises ValueError for anything else."""
     now = time.time() if now is None else now
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", value.strip())
+    match = _TIME_AGO.fullmatch(value.strip())
     if match:
-        amount, unit = float(match[1]), match[2]
-        return now - amount * {"s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
+        return now - float(match[1]) * _UNITS[match[2]]
     try:
-        return datetime.fromisoformat(value).timestamp()
+        moment = datetime.fromisoformat(value.strip())
     except ValueError:
-        raise ValueError(f"{value!r} is neither an age like 30m/2h/1d nor an ISO time") from None
+        raise ValueError(f"{value!r} is neither an age like 30m, 2h, 1d nor an ISO time like "
+                         "2026-01-31T12:00") from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+async def partitions(redis: aioredis.Redis, run: str) -> int:
+    async with translated_errors("reading run state"):
+        return int(await redis.hget(state_key(run), PARTITIONS_FIELD) or 1)
 
 
 async def letters(redis: aioredis.Redis, run: str, *, reason: str | None = None,
                   since: float | None = None, until: float | None = None,
-                  limit: int | None = None, newest_first: bool = True) -> list[Letter]:
-    """The run's dead letters matching the filters (time by the entry's id)."""
+                  partition: int | None = None, limit: int | None = None,
+                  newest_first: bool = True) -> list[Letter]:
+    """The run's dead letters matching the filters, newest (or oldest) first; time is the
+    letter's entry id (when it was dead-lettered), in Unix seconds. Reads at most ``limit``
+    matches per partition, a page at a time. A dead-stream entry that is not a letter this
+    code reads is left out and logged (``rollq tail dead`` shows it raw)."""
     low = f"{int(since * 1000)}-0" if since is not None else "-"
     high = f"{int(until * 1000)}-18446744073709551615" if until is not None else "+"
+    count = await partitions(redis, run)
+    chosen = range(count) if partition is None else [partition] if partition < count else []
     found: list[Letter] = []
-    async with translated_errors("reading dead letters"):
-        partitions = int(await redis.hget(state_key(run), PARTITIONS_FIELD) or 1)
-        for stream in stream_keys(run, partitions, "dead"):
-            for entry_id, fields in await redis.xrange(stream, min=low, max=high):
-                try:
-                    letter = decode_dead(fields)
-                except DecodeError:
-                    continue  # not a letter this code can read; `rollq tail dead` shows it
-                if reason is None or letter.reason == reason:
-                    found.append(Letter(stream, entry_id.decode(), letter))
-    found.sort(key=lambda x: _id_key(x.entry_id), reverse=newest_first)
+    for p in chosen:
+        stream = stream_key(run, p, "dead")
+        matched = 0
+        start, end = (high, low) if newest_first else (low, high)
+        while limit is None or matched < limit:
+            async with translated_errors("reading dead letters"):
+                if newest_first:
+                    page = await redis.xrevrange(stream, max=start, min=end, count=_PAGE)
+                else:
+                    page = await redis.xrange(stream, min=start, max=end, count=_PAGE)
+            for raw_id, fields in page:
+                item = _letter(stream, raw_id.decode(), fields)
+                if item is not None and (reason is None or item.letter.reason == reason):
+                    found.append(item)
+                    matched += 1
+                    if limit is not None and matched >= limit:
+                        break
+            if len(page) < _PAGE:
+                break
+            start = "(" + page[-1][0].decode()
+    found.sort(key=lambda item: _id_key(item.entry_id), reverse=newest_first)
     return found[:limit] if limit is not None else found
 
 
-async def find(redis: aioredis.Redis, run: str, entry_id: str) -> Letter | None:
-    for letter in await letters(redis, run):
-        if letter.entry_id == entry_id:
-            return letter
-    return None
+async def find(redis: aioredis.Redis, run: str, entry_id: str,
+               partition: int | None = None) -> list[Letter]:
+    """The letters with this entry id: one, or none, or (with several partitions and no
+    ``partition``, since each dead stream numbers its own entries) more than one."""
+    if not is_entry_id(entry_id):
+        raise ValueError(f"{entry_id!r} is not a stream entry id like 1767225600000-0")
+    count = await partitions(redis, run)
+    chosen = range(count) if partition is None else [partition] if partition < count else []
+    found: list[Letter] = []
+    for p in chosen:
+        stream = stream_key(run, p, "dead")
+        async with translated_errors("reading a dead letter"):
+            entries = await redis.xrange(stream, min=entry_id, max=entry_id)
+        for raw_id, fields in entries:
+            item = _letter(stream, raw_id.decode(), fields)
+            if item is not None:
+                found.append(item)
+    return found
 
 
-PUBLISH_WINDOW_S = 3600.0
-"""Every copy of a group is published within this of the others (re-runs of its job)."""
+def published_at(item: Letter) -> float | None:
+    """When the group of a stream letter was first published, in Unix seconds, as far as
+    the letter tells (None for a rollout job, which never published): the oldest of its
+    source entry's id, the traj entry a reference-form scored entry names, and the group's
+    ``finished_at``. The source id alone is too young for a letter requeued before."""
+    if item.is_job:
+        return None
+    candidates = [_id_seconds(item.letter.source_id)]
+    payload = item.letter.payload
+    ref = trajectory_ref(payload)
+    if ref is not None:
+        candidates.append(_id_seconds(ref))
+    else:
+        try:
+            message = decode(payload)
+        except DecodeError:
+            pass
+        else:
+            group = message.trajectory if isinstance(message, ScoredGroup) else message
+            candidates.append(group.finished_at)
+    known = [moment for moment in candidates if moment is not None and moment > 0]
+    return min(known) if known else None
 
 
 def too_old(item: Letter, dedup_window_s: float, now: float | None = None) -> bool:
-    """Whether a stream entry's copy may outlive the trainer's memory of the group: past
-    ``dedup_window_s − PUBLISH_WINDOW_S`` after it was published, a requeued copy of a
-    group that was trained could be trained again (``consumers.trainer.ledger``)."""
+    """Whether a requeued copy of this letter's group could outlive the trainers' memory of
+    it: first published more than ``dedup_window_s − PUBLISH_WINDOW_S`` ago (see
+    ``consumers.trainer.ledger``). Rollout jobs never are: they never published."""
+    published = published_at(item)
+    if published is None:
+        return False
+    return (time.time() if now is None else now) - published > dedup_window_s - PUBLISH_WINDOW_S
+
+
+def refusal(item: Letter, run: str, dedup_window_s: float | None) -> str | None:
+    """Why a letter must not be requeued (None: it may)."""
+    letter = item.letter
+    if letter.consumer_group == RESCORE_GROUP:
+        return "a rescore failure: run `rollq rescore` again"
     if item.is_job:
-        return False  # a dead-lettered job never published its group
-    published_ms = int(item.letter.source_id.partition("-")[0] or 0)
-    age = (time.time() if now is None else now) - published_ms / 1000
-    return age > dedup_window_s - PUBLISH_WINDOW_S
+        if letter.source_stream != JOB_SOURCE_PREFIX + run or _job_parts(run, letter.source_id) \
+                is None:
+            return (f"job {letter.source_id!r} of {letter.source_stream!r} is not a rollout "
+                    f"job of run {run!r}")
+        return None
+    own = {stream_key(run, item.partition, name) for name in ("traj", "scored")}
+    if letter.source_stream not in own:
+        return (f"source {letter.source_stream!r} is not this partition's traj or scored "
+                "stream")
+    if not letter.payload:
+        return "the letter kept no payload to re-add"
+    if dedup_window_s is not None and too_old(item, dedup_window_s):
+        return ("first published longer ago than the trainers' dedup window allows (a copy of "
+                "a trained group could be trained twice); force to requeue it anyway")
+    return None
 
 
-async def requeue(redis: aioredis.Redis, redis_url: str, run: str,
-                  chosen: Sequence[Letter],
+async def requeue(redis: aioredis.Redis, redis_url: str, run: str, chosen: Sequence[Letter],
                   options: Mapping[str, Any] | None = None, *,
-                  dedup_window_s: float | None = 6 * 3600.0) -> list[tuple[Letter, str]]:
-    """Requeue letters; returns (letter, what happened) for each (``options``: the TLS
-    options of ``ops.connections.redis_options``, for the arq queue). Stream letters too
-    old for the trainer's dedup window (``too_old``) are skipped unless
-    ``dedup_window_s`` is None (``--force``)."""
-    script = redis.register_script(_REQUEUE)
-    results: list[tuple[Letter, str]] = []
+                  dedup_window_s: float | None = DEDUP_WINDOW_S,
+                  dry_run: bool = False) -> list[Outcome]:
+    """Requeue letters, in order; one ``Outcome`` each. ``redis_url`` and ``options`` (the
+    TLS options of ``ops.connections.redis_options``) connect arq's queue for rollout jobs.
+    ``dedup_window_s``: the trainers' setting (``too_old``); None requeues old letters too.
+    ``dry_run``: say what would happen, change nothing."""
+    outcomes: list[Outcome] = []
     queue = None
     try:
         for item in chosen:
-            if item.letter.consumer_group == "rescore":
-                results.append((item, "skipped: a rescore failure; run `rollq rescore` again"))
-                continue
-            if dedup_window_s is not None and too_old(item, dedup_window_s):
-                results.append((item, "skipped: published longer ago than the trainer's "
-                                "dedup window allows (a copy of a trained group could be "
-                                "trained twice); --force requeues it anyway"))
-                continue
-            counters = counters_key(run, _partition(item.stream))
-            drop = DROP_PREFIX + item.letter.reason
-            if item.is_job:
+            why = refusal(item, run, dedup_window_s)
+            if why is not None:
+                outcomes.append(Outcome(item, "skipped", why))
+            elif dry_run:
+                target = f"job {item.letter.source_id}" if item.is_job else \
+                    item.letter.source_stream
+                outcomes.append(Outcome(item, "would_requeue", f"would go back to {target}"))
+            elif item.is_job:
                 if queue is None:
                     queue = await connect_queue(redis_url, options)
-                run_name, env, position = _job_parts(item.letter.source_id)
-                if run_name != run:
-                    results.append((item, f"skipped: the job belongs to run {run_name!r}"))
-                    continue
-                enqueued = await requeue_rollout(queue, run, env, position)
-                async with translated_errors("requeueing"):
-                    done = await script(keys=[item.stream, counters, ""],
-                                        args=[item.entry_id, drop])
-                results.append((item, "job enqueued" if done and enqueued else
-                                "job already queued" if done else "gone (requeued meanwhile)"))
-                continue
-            pairs = [part for name, value in item.letter.payload.items()
-                     for part in (name, value)]
-            async with translated_errors("requeueing"):
-                new_id = await script(keys=[item.stream, counters, item.letter.source_stream],
-                                      args=[item.entry_id, drop, *pairs])
-            results.append((item, f"re-added to {item.letter.source_stream} as "
-                            f"{new_id.decode()}" if new_id else "gone (requeued meanwhile)"))
+                outcomes.append(await _requeue_job(redis, queue, run, item))
+            else:
+                outcomes.append(await _requeue_entry(redis, run, item))
     finally:
         if queue is not None:
             await queue.aclose()
-    return results
+    return outcomes
 
 
-def _partition(dead_stream: str) -> int:
-    # rollq:{<run>:<p>}:dead
-    return int(dead_stream.rsplit("}", 1)[0].rsplit(":", 1)[1])
+async def _requeue_entry(redis: aioredis.Redis, run: str, item: Letter) -> Outcome:
+    letter = item.letter
+    ref = trajectory_ref(letter.payload)
+    if ref is not None and not is_entry_id(ref):
+        return Outcome(item, "skipped", f"its 'traj' field names no stream entry: {ref[:40]!r}")
+    keys = [item.stream, counters_key(run, item.partition), letter.source_stream]
+    if ref is not None:
+        keys.append(stream_key(run, item.partition, "traj"))
+    async with translated_errors("requeueing"):
+        pipe = redis.pipeline(transaction=True)
+        pipe.xadd(letter.source_stream, letter.payload)  # type: ignore[arg-type]
+        pipe.eval(_CLAIM, len(keys), *keys, item.entry_id, DROP_PREFIX + letter.reason,
+                  REQUEUED_COUNTER, ref or "")
+        new_id, claimed = await pipe.execute()
+    if claimed == 0:
+        return Outcome(item, "gone", "requeued meanwhile by someone else")
+    if claimed == -1:
+        return Outcome(item, "skipped", f"the traj entry {ref} it names is gone (trimmed): "
+                       "it would only be dead-lettered again as trajectory_missing")
+    new_id = new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+    log.info("dead_letter_requeued", run=run, entry_id=item.entry_id, reason=letter.reason,
+             group_id=item.group_id, stream=letter.source_stream, new_entry_id=new_id)
+    return Outcome(item, "requeued", f"re-added to {letter.source_stream} as {new_id}")
 
 
-def _job_parts(source_id: str) -> tuple[str, str, int]:
-    run, env, position = source_id.rsplit(":", 2)
-    return run, env, int(position)
+async def _requeue_job(redis: aioredis.Redis, queue: Any, run: str, item: Letter) -> Outcome:
+    parts = _job_parts(run, item.letter.source_id)
+    assert parts is not None  # refusal() checked
+    env, position = parts
+    # Enqueue only while the letter is there: a letter listed a while ago and requeued by
+    # someone else since must not run its job again. Enqueue before removing the letter:
+    # a crash in between leaves a letter to requeue again, never a job lost.
+    async with translated_errors("reading a dead letter"):
+        if not await redis.xrange(item.stream, min=item.entry_id, max=item.entry_id):
+            return Outcome(item, "gone", "requeued meanwhile by someone else")
+    enqueued = await requeue_rollout(queue, run, env, position)
+    keys = [item.stream, counters_key(run, item.partition)]
+    async with translated_errors("requeueing"):
+        claimed = await redis.eval(_CLAIM, len(keys), *keys, item.entry_id,
+                                   DROP_PREFIX + item.letter.reason, REQUEUED_COUNTER, "")
+    if claimed == 0:
+        return Outcome(item, "gone", "requeued meanwhile by someone else" + (
+            " (this call enqueued the job: should it run twice, the trainer drops the copy)"
+            if enqueued else ""))
+    log.info("dead_letter_requeued", run=run, entry_id=item.entry_id,
+             reason=item.letter.reason, group_id=item.group_id, job=item.letter.source_id,
+             enqueued=enqueued)
+    return Outcome(item, "requeued", "job enqueued" if enqueued else
+                   "job already queued or running")
+
+
+def payload_summary(payload: Fields) -> dict[str, Any]:
+    """What a letter's payload holds: a group's identity and size when it decodes (a
+    scored group's rewards too), else why not; plus each field's size in bytes."""
+    sizes = {name.decode(errors="replace"): len(value) for name, value in payload.items()}
+    if not payload:
+        return {"decoded": None, "error": "no payload (a rollout job)", "fields": sizes}
+    try:
+        message = decode(payload)
+    except DecodeError as exc:
+        return {"decoded": None, "error": str(exc), "fields": sizes}
+    group = message.trajectory if isinstance(message, ScoredGroup) else message
+    decoded: dict[str, Any] = {
+        "kind": message.kind, "group_id": group.group_id, "run": group.run, "env": group.env,
+        "policy_version": group.policy_version, "completions": len(group.completions),
+        "prompt_tokens": len(group.prompt_ids), "completion_tokens": group.num_tokens,
+        "finish_reasons": [c.finish_reason for c in group.completions],
+        "created_at": group.created_at, "finished_at": group.finished_at,
+    }
+    if isinstance(message, ScoredGroup):
+        decoded |= {"rewards": [score.reward for score in message.scores],
+                    "reward_config": message.reward_config, "scored_at": message.scored_at}
+    return {"decoded": decoded, "error": None, "fields": sizes}
+
+
+async def describe(redis: aioredis.Redis, item: Letter) -> dict[str, Any]:
+    """A letter in full: every field of the letter, and ``payload_summary`` of its payload
+    (a reference-form scored payload joined with its traj entry, while that exists)."""
+    letter = item.letter
+    payload = letter.payload
+    joined_from = None
+    if trajectory_ref(payload) is not None:
+        # any key of the partition names its traj stream to join_trajectories
+        [joined] = await join_trajectories(redis, [(item.stream, payload)])
+        if isinstance(joined, str):
+            summary = payload_summary(payload) | {"error": f"reference form: {joined}"}
+        else:
+            joined_from = trajectory_ref(payload)
+            summary = payload_summary(joined) | {"fields": payload_summary(payload)["fields"]}
+    else:
+        summary = payload_summary(payload)
+    return {
+        "id": item.entry_id, "stream": item.stream, "partition": item.partition,
+        "reason": letter.reason, "detail": letter.detail, "group_id": item.group_id,
+        "source": item.source, "source_stream": letter.source_stream,
+        "source_id": letter.source_id, "consumer_group": letter.consumer_group,
+        "deliveries": letter.deliveries, "dead_at": letter.dead_at,
+        "payload": summary | {"joined_traj_entry": joined_from},
+    }
+
+
+def _letter(stream: str, entry_id: str, fields: Fields) -> Letter | None:
+    try:
+        return Letter(stream, entry_id, decode_dead(fields))
+    except DecodeError as exc:
+        log.warning("dead_entry_unreadable", stream=stream, entry_id=entry_id, error=str(exc))
+        return None
+
+
+def _job_parts(run: str, source_id: str) -> tuple[str, int] | None:
+    """(env, position) of job id ``<run>:<env>:<position>`` (an env name may hold colons)."""
+    if not source_id.startswith(run + ":"):
+        return None
+    env, _, position = source_id[len(run) + 1:].rpartition(":")
+    if not env or not position.isdigit():
+        return None
+    return env, int(position)
+
+
+def _id_seconds(entry_id: str) -> float | None:
+    ms = entry_id.partition("-")[0]
+    return int(ms) / 1000 if ms.isdigit() else None
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
-
-
-# -- the command line ------------------------------------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ops.cli import add_common_flags
-
-    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = sub.add_parser("list", help="the run's dead letters, newest first")
-    show = sub.add_parser("show", help="one dead letter in full")
-    show.add_argument("id", help="the letter's entry id (from `rollq dead list`)")
-    again = sub.add_parser("requeue", help="send dead letters back to where they failed")
-    again.add_argument("ids", nargs="*", metavar="ID", help="letters to requeue (or filter)")
-    for action in (listing, again):
-        action.add_argument("--reason", help="only letters with this reason")
-        action.add_argument("--since", help="only letters newer than this (30m, 2h, 1d, or "
-                            "an ISO time)")
-        action.add_argument("--until", help="only letters older than this")
-    listing.add_argument("--limit", type=int, default=50, help="letters shown [50]")
-    listing.add_argument("--oldest-first", action="store_true")
-    again.add_argument("--all", action="store_true",
-                       help="requeue every letter matching the filters (no IDs needed)")
-    again.add_argument("--dry-run", action="store_true", help="say what would be requeued")
-    again.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    again.add_argument("--dedup-window-s", type=float, default=6 * 3600.0,
-                       help="the trainers' dedup_window_s: stream letters published longer "
-                       "ago than it minus an hour are skipped [21600]")
-    again.add_argument("--force", action="store_true",
-                       help="requeue letters older than the dedup window too")
-    for action in (listing, show):
-        action.add_argument("--json", action="store_true", help="print JSON")
-    for action in (listing, show, again):
-        add_common_flags(action)
-
-
-async def command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from ops.cli import Exit, redis_client, settings_for
-    from ops.settings import CommonSettings
-    from ops.status import known_runs
-
-    settings: CommonSettings = settings_for(CommonSettings, args, environ)
-    check_run_name(settings.run)
-    redis = redis_client(settings)
-    try:
-        runs = await known_runs(redis)
-        if settings.run not in runs:
-            print(f"rollq: run {settings.run!r} not found (known runs: "
-                  f"{', '.join(runs) or 'none yet'}); pass --run or ROLLQ_RUN", file=sys.stderr)
-            return int(Exit.NOT_FOUND)
-        if args.action == "show":
-            item = await find(redis, settings.run, args.id)
-            if item is None:
-                print(f"rollq: no dead letter {args.id!r} in run {settings.run!r}",
-                      file=sys.stderr)
-                return int(Exit.NOT_FOUND)
-            print(json.dumps(_document(item, full=True)) if args.json else render_one(item))
-            return int(Exit.OK)
-        try:
-            since = parse_time(args.since) if args.since else None
-            until = parse_time(args.until) if args.until else None
-        except ValueError as exc:
-            print(f"rollq: {exc}", file=sys.stderr)
-            return int(Exit.USAGE)
-        if args.action == "list":
-            found = await letters(redis, settings.run, reason=args.reason, since=since,
-                                  until=until, limit=args.limit,
-                                  newest_first=not args.oldest_first)
-            if args.json:
-                print(json.dumps([_document(item) for item in found]))
-            else:
-                print(render_list(found))
-            return int(Exit.OK)
-        return await _requeue(redis, settings, args, since, until, Exit)
-    finally:
-        await redis.aclose()
-
-
-async def _requeue(redis: aioredis.Redis, settings: Any, args: argparse.Namespace,
-                   since: float | None, until: float | None, exit_codes: Any) -> int:
-    from ops.connections import redis_options
-
-    run = settings.run
-    if not args.ids and not args.all:
-        print("rollq: name the letters to requeue (IDs) or pass --all with filters",
-              file=sys.stderr)
-        return int(exit_codes.USAGE)
-    found = await letters(redis, run, reason=args.reason, since=since, until=until,
-                          newest_first=False)
-    if args.ids:
-        wanted = set(args.ids)
-        found = [item for item in found if item.entry_id in wanted]
-        missing = wanted - {item.entry_id for item in found}
-        if missing:
-            print(f"rollq: no dead letter {', '.join(sorted(missing))} in run {run!r}",
-                  file=sys.stderr)
-            return int(exit_codes.NOT_FOUND)
-    print(f"{len(found)} dead letter(s) to requeue")
-    if args.dry_run or not found:
-        for item in found:
-            print(f"  {_line(item)}")
-        return int(exit_codes.OK)
-    if not args.yes:
-        if not sys.stdin.isatty():
-            print("rollq: refusing to requeue without confirmation: pass --yes (stdin is not "
-                  "a terminal)", file=sys.stderr)
-            return int(exit_codes.USAGE)
-        answer = await asyncio.to_thread(input, f"requeue {len(found)} letter(s)? [y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
-            print("nothing requeued")
-            return int(exit_codes.OK)
-    window = None if args.force else args.dedup_window_s
-    for item, outcome in await requeue(redis, settings.redis_url, run, found,
-                                       redis_options(settings), dedup_window_s=window):
-        print(f"{item.entry_id} {item.letter.reason} {item.group_id}: {outcome}")
-    return int(exit_codes.OK)
-
-
-def _document(item: Letter, *, full: bool = False) -> dict[str, Any]:
-    letter = item.letter
-    document: dict[str, Any] = {
-        "id": item.entry_id, "stream": item.stream, "reason": letter.reason,
-        "detail": letter.detail, "group_id": item.group_id,
-        "source_stream": letter.source_stream, "source_id": letter.source_id,
-        "consumer_group": letter.consumer_group, "deliveries": letter.deliveries,
-        "dead_at": letter.dead_at,
-    }
-    if full:
-        document["payload"] = {name.decode(errors="replace"): len(value)
-                               for name, value in letter.payload.items()}
-        document["payload_decoded"] = _summary(letter.payload)
-    return document
-
-
-def _summary(payload: Mapping[bytes, bytes]) -> str:
-    if not payload:
-        return "(no payload: a rollout job)"
-    try:
-        message = decode(payload)
-    except DecodeError as exc:
-        return f"does not decode: {exc}"
-    group = message.trajectory if isinstance(message, ScoredGroup) else message
-    return (f"{message.kind} group {group.group_id}: {len(group.completions)} completions, "
-            f"{group.num_tokens} tokens, policy_version {group.policy_version}")
-
-
-def _line(item: Letter, now: float | None = None) -> str:
-    age = (time.time() if now is None else now) - item.letter.dead_at
-    detail = item.letter.detail.replace("\n", " ")
-    detail = detail if len(detail) <= 80 else detail[:77] + "..."
-    return (f"{item.entry_id:<17} {_ago(age):>8} {item.letter.reason:<22} {item.group_id:<28} "
-            f"{item.letter.consumer_group:<8} {detail}")
-
-
-def render_list(found: Sequence[Letter]) -> str:
-    if not found:
-        return "no dead letters"
-    header = f"{'id':<17} {'age':>8} {'reason':<22} {'group_id':<28} {'by':<8} detail"
-    return "\n".join([header, *(_line(item) for item in found)])
-
-
-def render_one(item: Letter) -> str:
-    document = _document(item, full=True)
-    sizes = document.pop("payload")
-    lines = [f"{name:<15} {value}" for name, value in document.items()
-             if name != "payload_decoded"]
-    lines.append(f"{'dead_at (UTC)':<15} "
-                 f"{datetime.fromtimestamp(item.letter.dead_at, UTC).isoformat()}")
-    lines.append(f"{'payload':<15} {document['payload_decoded']}")
-    lines += [f"  {name:<20} {size} bytes" for name, size in sizes.items()]
-    return "\n".join(lines)
-
-
-def _ago(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"

@@ -165,6 +165,7 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
         f"run {status.run}: {status.partitions} partition(s), policy_version "
         f"{status.policy_version}, admitted {status.admitted}, "
         f"scored {status.counters.get('scored', 0)}, consumed {status.counters.get('consumed', 0)}"
+        f", requeued {status.counters.get('requeued', 0)}"
     ]
     if previous is not None:
         elapsed = max(status.taken_at - previous.taken_at, 1e-9)

@@ -1,28 +1,47 @@
-"""``rollq dead list | show | requeue`` on a real redis-server: scoring and rollout failures
-go back where they failed, counters follow, a double requeue is one, and the trainer never
-sees a requeued group twice."""
+"""``rollq dead list | show | requeue`` on a real redis-server: letters are found by reason,
+time and partition; scoring, trainer and rollout failures go back where they failed and are
+processed again by the real roles; the counters and the admission books follow; a letter
+requeued twice at once is requeued once; and the trainer never trains a requeued group
+twice."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
+import ops.dead
 from consumers.bus import Delivery, StreamReader
 from consumers.trainer import TrainerClient
+from consumers.trainer.client import TRAINER_GROUP
 from ops.cli import Exit, main
-from ops.dead import letters, parse_time, requeue
+from ops.dead import (
+    Letter,
+    describe,
+    find,
+    letters,
+    parse_time,
+    published_at,
+    requeue,
+    too_old,
+)
+from ops.dead_cli import render_list, render_one
 from ops.roles import run_scorer
 from ops.settings import ScorerSettings
+from ops.status import collect_status, render_status
+from producers.admission import outstanding
 from producers.publisher import Publisher
-from producers.worker import connect_queue, enqueue_rollout, job_id
-from schemas import ContractError, decode_trajectory, encode
-from schemas.keys import counters_key, stream_key
-from tests.factories import make_group
+from producers.worker import connect_queue, enqueue_rollout, job_id, queue_name
+from schemas import ContractError, DeadLetter, Fields, decode_trajectory, encode, encode_dead
+from schemas.keys import ADMITTED_FIELD, counters_key, state_key, stream_key
+from tests.factories import make_group, score
 from tests.producers.fake_vllm import FakeVLLM
 from tests.producers.test_job_failures import FlakyEnv, worker
 from tests.redis_server import RedisServer
@@ -35,51 +54,236 @@ NO_GOLD = ("components:\n  - name: length\n    component: length_bounty\n"
            "advantages: {zero_variance: keep}\n")
 
 
-async def score(url: str, config: Path) -> None:
+# ------------------------------------------------------------------------------ helpers
+
+async def scorer_pass(url: str, config: Path) -> None:
+    """The real scorer stage (ops.roles.run_scorer) over whatever the traj stream holds."""
     await run_scorer(ScorerSettings(redis_url=url, run=RUN, reward_config=config,
                                     processes=1), asyncio.Event(), burst=True)
 
 
-async def counters(redis: aioredis.Redis) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in (await redis.hgetall(counters_key(RUN, 0))).items()}
+async def counters(redis: aioredis.Redis, partition: int = 0) -> dict[str, int]:
+    raw = await redis.hgetall(counters_key(RUN, partition))
+    return {k.decode(): int(v) for k, v in raw.items()}
 
+
+async def in_flight(redis: aioredis.Redis) -> int:
+    """``admitted − consumed − dropped``, as the feeder's admission sees it."""
+    admitted = int(await redis.hget(state_key(RUN), ADMITTED_FIELD) or 0)
+    return outstanding(admitted, await counters(redis))[1]
+
+
+async def admit(redis: aioredis.Redis, groups: int) -> None:
+    await redis.hincrby(state_key(RUN), ADMITTED_FIELD, groups)
+
+
+async def put_letter(redis: aioredis.Redis, *, partition: int = 0, at_ms: int,
+                     reason: str = "reward_error", source: str = "traj",
+                     source_id: str = "1-0", payload: Fields | None = None,
+                     group_id: str = "g") -> str:
+    """A letter written as the bus writes one (XADD + drop:<reason>), at a chosen time."""
+    letter = DeadLetter(
+        reason=reason, detail=f"{reason} of {group_id}\nsecond line",
+        source_stream=stream_key(RUN, partition, source), source_id=source_id,  # type: ignore[arg-type]
+        consumer_group="scorers", deliveries=1, dead_at=at_ms / 1000,
+        payload=payload if payload is not None else {b"group_id": group_id.encode()})
+    entry_id = f"{at_ms}-0"
+    await redis.xadd(stream_key(RUN, partition, "dead"), encode_dead(letter),  # type: ignore[arg-type]
+                     id=entry_id)
+    await redis.hincrby(counters_key(RUN, partition), "drop:" + reason, 1)
+    return entry_id
+
+
+def trainer_client(redis: aioredis.Redis) -> TrainerClient:
+    return TrainerClient(redis, run=RUN, consumer="rank0", settings=FAST)
+
+
+async def drain(arq_worker: Any) -> None:
+    try:
+        await asyncio.wait_for(arq_worker.main(), 60)
+    finally:
+        await arq_worker.close()
+
+
+async def cli(*argv: str) -> int:
+    return await asyncio.to_thread(main, list(argv), {"ROLLQ_LOG_FORMAT": "console"})
+
+
+# ---------------------------------------------------------------------- list and show
+
+async def test_list_filters_by_reason_time_and_partition(
+        real_redis: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    await Publisher(real_redis, RUN, partitions=2).register()
+    now_ms = int(time.time() * 1000)
+    hour = 3_600_000
+    written = {
+        "3h": await put_letter(real_redis, partition=0, at_ms=now_ms - 3 * hour, group_id="a"),
+        "2h": await put_letter(real_redis, partition=1, at_ms=now_ms - 2 * hour,
+                               reason="decode_error", group_id="b"),
+        "30m": await put_letter(real_redis, partition=0, at_ms=now_ms - hour // 2,
+                                group_id="c"),
+        "1m": await put_letter(real_redis, partition=1, at_ms=now_ms - 60_000, group_id="d"),
+    }
+    await real_redis.xadd(stream_key(RUN, 0, "dead"), {b"not": b"a letter"})
+
+    def groups(found: list[Letter]) -> list[str]:
+        return [item.group_id for item in found]
+
+    with capture_logs() as logs:
+        assert groups(await letters(real_redis, RUN)) == ["d", "c", "b", "a"]
+    assert [e["event"] for e in logs] == ["dead_entry_unreadable"]  # skipped, not silently
+    assert groups(await letters(real_redis, RUN, newest_first=False)) == ["a", "b", "c", "d"]
+    assert groups(await letters(real_redis, RUN, reason="reward_error")) == ["d", "c", "a"]
+    assert groups(await letters(real_redis, RUN, since=parse_time("1h"))) == ["d", "c"]
+    assert groups(await letters(real_redis, RUN, until=parse_time("1h"))) == ["b", "a"]
+    assert groups(await letters(real_redis, RUN, since=parse_time("150m"),
+                                until=parse_time("10m"))) == ["c", "b"]
+    assert groups(await letters(real_redis, RUN, partition=1)) == ["d", "b"]
+    assert groups(await letters(real_redis, RUN, partition=7)) == []
+    assert groups(await letters(real_redis, RUN, limit=2)) == ["d", "c"]
+    assert groups(await letters(real_redis, RUN, limit=1, newest_first=False)) == ["a"]
+    monkeypatch.setattr(ops.dead, "_PAGE", 1)  # reads page by page, filters across pages
+    assert groups(await letters(real_redis, RUN, reason="reward_error", limit=2,
+                                newest_first=False)) == ["a", "c"]
+    assert groups(await letters(real_redis, RUN, reason="decode_error")) == ["b"]
+
+    [item] = await find(real_redis, RUN, written["2h"])
+    assert (item.partition, item.letter.reason, item.source) == (1, "decode_error", "traj")
+    assert await find(real_redis, RUN, "1-1") == []
+    with pytest.raises(ValueError, match="not a stream entry id"):
+        await find(real_redis, RUN, "yesterday")
+    listing = render_list(await letters(real_redis, RUN))
+    assert "reward_error of d second line" in listing  # one line per letter
+    assert len(listing.splitlines()) == 5
+
+
+async def test_show_decodes_the_payload_or_lists_its_fields(real_redis: aioredis.Redis) -> None:
+    await Publisher(real_redis, RUN).register()
+    now_ms = int(time.time() * 1000)
+    group = make_group(run=RUN, group_id="shown", tokens=8)
+    traj_id = (await real_redis.xadd(stream_key(RUN, 0, "traj"), encode(group))).decode()  # type: ignore[arg-type]
+    scored_fields = encode(score(group, [1.0, 0.0, 0.0, 0.5]), trajectory_id=traj_id)
+    ids = {
+        "traj": await put_letter(real_redis, at_ms=now_ms - 4, payload=encode(group)),
+        "scored": await put_letter(real_redis, at_ms=now_ms - 3, source="scored",
+                                   payload=scored_fields),
+        "garbage": await put_letter(real_redis, at_ms=now_ms - 2,
+                                    payload={b"v": b"1", b"kind": b"traj", b"x": b"12345"}),
+    }
+
+    async def shown(key: str) -> dict[str, Any]:
+        [item] = await find(real_redis, RUN, ids[key])
+        return await describe(real_redis, item)
+
+    traj = await shown("traj")
+    assert traj["payload"]["decoded"].items() >= {
+        "kind": "traj", "group_id": "shown", "completions": 4, "completion_tokens": 32}.items()
+    assert traj["payload"]["fields"]["completion_ids"] == 32 * 4
+    assert traj["reason"] == "reward_error" and traj["source"] == "traj"
+    assert "traj group shown: env toy" in render_one(traj)
+
+    scored = await shown("scored")  # reference form: joined with its traj entry
+    assert scored["payload"]["decoded"]["rewards"] == [1.0, 0.0, 0.0, 0.5]
+    assert scored["payload"]["joined_traj_entry"] == traj_id
+    assert "completion_ids" not in scored["payload"]["fields"]  # the letter's own fields
+    assert "rewards [1, 0, 0, 0.5]" in render_one(scored)
+    await real_redis.xdel(stream_key(RUN, 0, "traj"), traj_id)
+    gone = await shown("scored")
+    assert gone["payload"]["decoded"] is None
+    assert "reference form" in gone["payload"]["error"]
+
+    garbage = await shown("garbage")
+    assert garbage["payload"]["decoded"] is None and garbage["payload"]["error"]
+    assert garbage["payload"]["fields"] == {"v": 1, "kind": 4, "x": 5}
+    text = render_one(garbage)
+    assert "x" in text and "5 bytes" in text and "second line" in text
+
+
+# ------------------------------------------------------------------------------ requeue
 
 async def test_requeue_a_scoring_failure_after_fixing_the_config(
         real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path) -> None:
     (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
     (tmp_path / "plain.yaml").write_text(NO_GOLD)
-    for i in range(3):  # no gold answer in the metadata: dead-lettered as missing field
+    for i in range(3):  # no gold answer in the metadata: dead-lettered, missing field
         await Publisher(real_redis, RUN).publish(
             make_group(run=RUN, group_id=f"g{i}", metadata={"q": "?"}))
-    await score(redis_server.url, tmp_path / "gold.yaml")
+    await admit(real_redis, 3)
+    await scorer_pass(redis_server.url, tmp_path / "gold.yaml")
     dead = await letters(real_redis, RUN)
     assert [d.letter.reason for d in dead] == ["reward_missing_field"] * 3
     assert (await counters(real_redis))["drop:reward_missing_field"] == 3
+    assert await in_flight(real_redis) == 0  # dead letters freed their admission slots
 
-    chosen = [d for d in dead if d.group_id == "g1"]
-    outcome = await requeue(real_redis, redis_server.url, RUN, chosen)
-    assert "re-added to" in outcome[0][1]
-    assert [d.group_id for d in await letters(real_redis, RUN)] != ["g1"]
+    [chosen] = [d for d in dead if d.group_id == "g1"]
+    traj_length = await real_redis.xlen(stream_key(RUN, 0, "traj"))
+    [dry] = await requeue(real_redis, redis_server.url, RUN, [chosen], dry_run=True)
+    assert dry.action == "would_requeue"
+    assert len(await letters(real_redis, RUN)) == 3  # the dry run changed nothing
+    assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == traj_length
+    assert "requeued" not in await counters(real_redis)
+
+    [done] = await requeue(real_redis, redis_server.url, RUN, [chosen])
+    assert done.action == "requeued" and stream_key(RUN, 0, "traj") in done.detail
+    [(_, fields)] = await real_redis.xrange(stream_key(RUN, 0, "traj"),
+                                            min=done.detail.rsplit(" ", 1)[1])
+    assert fields == chosen.letter.payload  # byte for byte
     assert {d.group_id for d in await letters(real_redis, RUN)} == {"g0", "g2"}
     state = await counters(real_redis)
     assert state["drop:reward_missing_field"] == 2 and state["requeued"] == 1
-    await score(redis_server.url, tmp_path / "plain.yaml")  # the fixed reward config
-    assert await real_redis.xlen(stream_key(RUN, 0, "scored")) == 1
+    assert await in_flight(real_redis) == 1  # the admission budget counts it again
+
+    await scorer_pass(redis_server.url, tmp_path / "plain.yaml")  # the fixed reward config
+    [(_, scored)] = await real_redis.xrange(stream_key(RUN, 0, "scored"))
+    assert scored[b"group_id"] == b"g1"
     assert (await counters(real_redis))["scored"] == 1
+    async with trainer_client(real_redis) as trainer:
+        batch = await trainer.next_batch(groups=1, timeout_s=5)
+        assert batch.group_ids == ["g1"]
+        await trainer.ack(batch)
+    assert await in_flight(real_redis) == 0
+    status = await collect_status(real_redis, RUN)
+    assert status.accounting is not None and status.accounting.unaccounted == 0
+    assert "requeued 1" in render_status(status)
 
 
-async def test_requeue_twice_at_once_requeues_once(
-        real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path) -> None:
-    (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
-    await Publisher(real_redis, RUN).publish(make_group(run=RUN, group_id="g", metadata={"q": 1}))
-    await score(redis_server.url, tmp_path / "gold.yaml")
-    dead = await letters(real_redis, RUN)
-    traj_before = await real_redis.xlen(stream_key(RUN, 0, "traj"))
-    outcomes = await asyncio.gather(*(requeue(real_redis, redis_server.url, RUN, dead)
-                                      for _ in range(4)))
-    assert sum("re-added" in o[0][1] for o in outcomes) == 1
-    assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == traj_before + 1
-    assert (await counters(real_redis))["requeued"] == 1
+async def test_requeue_a_trainer_failure_goes_back_to_the_scored_stream(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    await Publisher(real_redis, RUN).register()
+    await admit(real_redis, 2)
+    traj, scored = stream_key(RUN, 0, "traj"), stream_key(RUN, 0, "scored")
+    traj_ids = {}
+    for name in ("kept", "trimmed"):
+        group = make_group(run=RUN, group_id=name)
+        traj_ids[name] = (await real_redis.xadd(traj, encode(group))).decode()  # type: ignore[arg-type]
+        await real_redis.xadd(scored, encode(score(group), trajectory_id=traj_ids[name]))  # type: ignore[arg-type]
+    reader = StreamReader(real_redis, [scored], TRAINER_GROUP, "rank9")
+    await reader.ensure_groups()
+    deliveries = await reader.read()
+    assert len(deliveries) == 2
+    for delivery in deliveries:  # the trainer stage gives up on both
+        assert await reader.dead_letter(delivery, "unexpected_error", "a trainer bug")
+    assert await in_flight(real_redis) == 0
+    by_group = {d.group_id: d for d in await letters(real_redis, RUN)}
+    assert by_group["kept"].source == "scored"
+
+    await real_redis.xdel(traj, traj_ids["trimmed"])  # its trajectory was trimmed meanwhile
+    [skipped] = await requeue(real_redis, redis_server.url, RUN, [by_group["trimmed"]])
+    assert skipped.action == "skipped" and "trimmed" in skipped.detail
+    assert await real_redis.xlen(scored) == 2  # the copy added in the MULTI was taken back
+    assert len(await find(real_redis, RUN, by_group["trimmed"].entry_id)) == 1
+    assert (await counters(real_redis))["drop:unexpected_error"] == 2
+
+    [done] = await requeue(real_redis, redis_server.url, RUN, [by_group["kept"]])
+    assert done.action == "requeued" and scored in done.detail
+    assert await in_flight(real_redis) == 1
+    async with trainer_client(real_redis) as trainer:
+        batch = await trainer.next_batch(groups=1, timeout_s=5)
+        assert batch.group_ids == ["kept"]
+        await trainer.ack(batch)
+    state = await counters(real_redis)
+    assert (state["consumed"], state["requeued"], state["drop:unexpected_error"]) == (1, 1, 1)
+    assert await in_flight(real_redis) == 0
 
 
 async def test_requeue_a_rollout_failure_runs_the_job_again(
@@ -89,21 +293,50 @@ async def test_requeue_a_rollout_failure_runs_the_job_again(
     queue = await connect_queue(redis_server.url)
     await enqueue_rollout(queue, RUN, broken.name, 5)
     await queue.aclose()
-    await real_redis.hincrby(f"rollq:{{{RUN}}}:state", "admitted", 1)
-    await _drain(worker(redis_server.url, broken, FakeVLLM(), run=RUN))
-    (dead,) = await letters(real_redis, RUN)
-    assert dead.is_job and dead.letter.reason == "contract_error"
+    await admit(real_redis, 1)
+    await drain(worker(redis_server.url, broken, FakeVLLM(), run=RUN))
+    [dead] = await letters(real_redis, RUN)
+    assert dead.is_job and dead.source == "job" and dead.letter.reason == "contract_error"
+    assert dead.group_id == job_id(RUN, "gsm8k", 5)
     assert (await counters(real_redis))["drop:contract_error"] == 1
+    assert await in_flight(real_redis) == 0
 
-    [(_, outcome)] = await requeue(real_redis, redis_server.url, RUN, [dead])
-    assert outcome == "job enqueued"
-    await _drain(worker(redis_server.url, FlakyEnv(lambda index, call: None), FakeVLLM(),
-                        run=RUN))
-    (entry,) = await real_redis.xrange(stream_key(RUN, 0, "traj"))
-    assert decode_trajectory(entry[1]).group_id == job_id(RUN, "gsm8k", 5)  # same group id
+    # Three operators at once: one requeue, one job.
+    outcomes = await asyncio.gather(*(requeue(real_redis, redis_server.url, RUN, [dead])
+                                      for _ in range(3)))
+    assert sorted(o.action for [o] in outcomes) == ["gone", "gone", "requeued"]
+    assert await real_redis.zcard(queue_name(RUN)) == 1
+    assert await in_flight(real_redis) == 1
+
+    fixed = FlakyEnv(lambda index, call: None)
+    await drain(worker(redis_server.url, fixed, FakeVLLM(), run=RUN))
+    [(_, entry)] = await real_redis.xrange(stream_key(RUN, 0, "traj"))
+    assert decode_trajectory(entry).group_id == dead.group_id  # the same group id
     assert await letters(real_redis, RUN) == []
     state = await counters(real_redis)
     assert state["drop:contract_error"] == 0 and state["requeued"] == 1
+
+    # Someone who listed the letter before it was requeued confirms only now: its job,
+    # finished meanwhile, must not run again.
+    [late] = await requeue(real_redis, redis_server.url, RUN, [dead])
+    assert late.action == "gone"
+    assert await real_redis.zcard(queue_name(RUN)) == 0
+    assert sum(fixed.calls.values()) == 1
+
+
+async def test_requeue_twice_at_once_requeues_once(
+        real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path) -> None:
+    (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
+    await Publisher(real_redis, RUN).publish(make_group(run=RUN, group_id="g", metadata={"q": 1}))
+    await scorer_pass(redis_server.url, tmp_path / "gold.yaml")
+    dead = await letters(real_redis, RUN)
+    traj_before = await real_redis.xlen(stream_key(RUN, 0, "traj"))
+    outcomes = await asyncio.gather(*(requeue(real_redis, redis_server.url, RUN, dead)
+                                      for _ in range(8)))
+    assert sorted(o.action for [o] in outcomes) == ["gone"] * 7 + ["requeued"]
+    assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == traj_before + 1
+    state = await counters(real_redis)
+    assert state["requeued"] == 1 and state["drop:reward_missing_field"] == 0
 
 
 async def test_a_requeued_copy_of_a_trained_group_is_not_trained_again(
@@ -111,92 +344,181 @@ async def test_a_requeued_copy_of_a_trained_group_is_not_trained_again(
     (tmp_path / "plain.yaml").write_text(NO_GOLD)
     group = make_group(run=RUN, group_id="once")
     await Publisher(real_redis, RUN).publish(group)
-    await score(redis_server.url, tmp_path / "plain.yaml")
+    await scorer_pass(redis_server.url, tmp_path / "plain.yaml")
     async with trainer_client(real_redis) as trainer:
         batch = await trainer.next_batch(groups=1, timeout_s=5)
         assert batch.group_ids == ["once"]
         await trainer.ack(batch)
-    # A re-run of its job published a second copy, which got dead-lettered; requeue it.
+    # A re-run of its job published a second copy, which the scorers dead-lettered.
     traj = stream_key(RUN, 0, "traj")
     copy_id = (await real_redis.xadd(traj, encode(group))).decode()  # type: ignore[arg-type]
     reader = StreamReader(real_redis, [traj], "scorers", "someone")
     await reader.read()
     await reader.dead_letter(Delivery(traj, copy_id, encode(group), 1), "unexpected_error", "x")
-    (dead,) = await letters(real_redis, RUN)
-    await requeue(real_redis, redis_server.url, RUN, [dead])
-    await score(redis_server.url, tmp_path / "plain.yaml")
+    [dead] = await letters(real_redis, RUN)
+    [done] = await requeue(real_redis, redis_server.url, RUN, [dead])
+    assert done.action == "requeued"
+    await scorer_pass(redis_server.url, tmp_path / "plain.yaml")
+    assert (await counters(real_redis))["scored"] == 2  # the copy reached the scored stream
     async with trainer_client(real_redis) as trainer:
         again = await trainer.next_batch(groups=1, timeout_s=1)
-    assert again.group_ids == []  # the requeued copy was dropped as a duplicate
-    assert (await counters(real_redis))["drop:duplicate"] == 1
+    assert again.group_ids == []  # and the trainer dropped it as a duplicate
+    state = await counters(real_redis)
+    assert (state["drop:duplicate"], state["consumed"]) == (1, 1)
 
 
-async def test_the_cli(real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path,
-                       capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
-    for i in range(2):
-        await Publisher(real_redis, RUN).publish(
-            make_group(run=RUN, group_id=f"c{i}", metadata={"q": 1}))
-    await score(redis_server.url, tmp_path / "gold.yaml")
-    flags = ["--redis-url", redis_server.url, "--run", RUN]
-    capsys.readouterr()  # the scorer's log lines
-    assert await _main(["dead", "list", "--json", *flags]) == Exit.OK
-    listed = json.loads(capsys.readouterr().out)
-    assert {d["group_id"] for d in listed} == {"c0", "c1"}
-    assert {d["reason"] for d in listed} == {"reward_missing_field"}
-    assert await _main(["dead", "list", "--reason", "decode_error", *flags]) == Exit.OK
-    assert "no dead letters" in capsys.readouterr().out
-    first = listed[0]["id"]
-    assert await _main(["dead", "show", first, *flags]) == Exit.OK
-    shown = capsys.readouterr().out
-    assert "reward_missing_field" in shown and "traj group" in shown
-    assert await _main(["dead", "show", "1-1", *flags]) == Exit.NOT_FOUND
-    assert await _main(["dead", "requeue", "--all", "--dry-run", *flags]) == Exit.OK
-    assert "2 dead letter(s) to requeue" in capsys.readouterr().out
-    assert len(await letters(real_redis, RUN)) == 2  # the dry run changed nothing
-    assert await _main(["dead", "requeue", first, *flags]) == Exit.USAGE  # no tty, no --yes
-    assert await _main(["dead", "requeue", first, "--yes", *flags]) == Exit.OK
-    assert len(await letters(real_redis, RUN)) == 1
-    assert await _main(["dead", "list", "--run", "nope", "--redis-url", redis_server.url]) \
-        == Exit.NOT_FOUND
+async def test_letters_that_must_not_be_requeued_are_skipped(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    await Publisher(real_redis, RUN).register()
+    now_ms = int(time.time() * 1000)
+    old = make_group(run=RUN, group_id="old")
+    ids = [
+        await put_letter(real_redis, at_ms=now_ms - 3, payload=encode(old),  # 7 h ago
+                         source_id=f"{now_ms - 7 * 3_600_000}-0"),
+        await put_letter(real_redis, at_ms=now_ms - 2, source="dead"),  # not traj/scored
+    ]
+    chosen = [item for entry_id in ids for item in await find(real_redis, RUN, entry_id)]
+    outcomes = await requeue(real_redis, redis_server.url, RUN, chosen)
+    assert [o.action for o in outcomes] == ["skipped", "skipped"]
+    assert "dedup window" in outcomes[0].detail
+    assert "not this partition's traj or scored stream" in outcomes[1].detail
+    assert len(await letters(real_redis, RUN)) == 2
+    [forced, _] = await requeue(real_redis, redis_server.url, RUN, chosen, dedup_window_s=None)
+    assert forced.action == "requeued"
 
 
-def test_parse_time() -> None:
-    assert parse_time("30m", now=10_000) == 10_000 - 1800
-    assert parse_time("2h", now=10_000) == 10_000 - 7200
-    assert parse_time("2026-01-01T00:00:00+00:00") == 1767225600
-    with pytest.raises(ValueError, match="neither"):
-        parse_time("yesterday")
-
-
-def trainer_client(redis: aioredis.Redis) -> TrainerClient:
-    return TrainerClient(redis, run=RUN, consumer="rank0", settings=FAST)
-
-
-async def _drain(arq_worker: Any) -> None:
-    try:
-        await asyncio.wait_for(arq_worker.main(), 60)
-    finally:
-        await arq_worker.close()
-
-
-async def _main(argv: list[str]) -> int:
-    return await asyncio.to_thread(main, argv, {})
-
-
-def test_stream_letters_older_than_the_dedup_window_are_not_requeued() -> None:
-    from ops.dead import Letter, too_old
-    from schemas import DeadLetter
-
-    def letter(source_stream: str, source_id: str) -> Letter:
+def test_a_letter_is_as_old_as_its_group_not_its_last_requeue() -> None:
+    def letter(source_stream: str, source_id: str, payload: Fields | None = None) -> Letter:
         return Letter("rollq:{r:0}:dead", "1-0", DeadLetter(
             reason="unexpected_error", source_stream=source_stream, source_id=source_id,
-            consumer_group="scorers"))
+            consumer_group="scorers", payload=payload or {}))
 
     now = 1_000_000.0
+    recent = f"{int((now - 60) * 1000)}-0"
     fresh = letter("rollq:{r:0}:traj", f"{int((now - 3600) * 1000)}-0")
     old = letter("rollq:{r:0}:traj", f"{int((now - 6 * 3600) * 1000)}-0")
     job = letter("jobs:r", "r:gsm8k:3")
     assert not too_old(fresh, 6 * 3600, now)
     assert too_old(old, 6 * 3600, now)
-    assert not too_old(job, 6 * 3600, now)  # a dead job never published its group
+    assert not too_old(job, 6 * 3600, now) and published_at(job) is None
+    # requeued before, dead again: the entry is new, the group is not
+    group = make_group(run="r").model_copy(update={"finished_at": now - 6 * 3600})
+    requeued = letter("rollq:{r:0}:traj", recent, encode(group))
+    assert published_at(requeued) == now - 6 * 3600 and too_old(requeued, 6 * 3600, now)
+    ref = letter("rollq:{r:0}:scored", recent, encode(score(make_group(run="r")),
+                                                         trajectory_id=old.letter.source_id))
+    assert too_old(ref, 6 * 3600, now)  # the traj entry it names is old
+    assert not too_old(letter("rollq:{r:0}:traj", recent, encode(make_group(run="r"))),
+                       6 * 3600, now)  # finished_at 0: unknown, the id decides
+
+
+def test_parse_time() -> None:
+    assert parse_time("30m", now=10_000) == 10_000 - 1800
+    assert parse_time("2h", now=10_000) == 10_000 - 7200
+    assert parse_time("1.5d", now=200_000) == 200_000 - 1.5 * 86400
+    assert parse_time("2026-01-01T00:00:00+00:00") == 1767225600
+    assert parse_time("2026-01-01T01:00:00+01:00") == 1767225600
+    assert parse_time("2026-01-01T00:00") == 1767225600  # no zone: UTC
+    for bad in ("yesterday", "5 minutes", "-3h", ""):
+        with pytest.raises(ValueError, match="neither"):
+            parse_time(bad)
+
+
+# ----------------------------------------------------------------------- the command line
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_the_cli(real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path,
+                       capsys: pytest.CaptureFixture[str],
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "gold.yaml").write_text(NEEDS_GOLD)
+    for i in range(3):
+        await Publisher(real_redis, RUN).publish(
+            make_group(run=RUN, group_id=f"c{i}", metadata={"q": 1}))
+    await scorer_pass(redis_server.url, tmp_path / "gold.yaml")
+    flags = ["--redis-url", redis_server.url, "--run", RUN]
+    capsys.readouterr()  # the scorer's log lines
+
+    def out() -> str:
+        return capsys.readouterr().out
+
+    def err() -> str:
+        return capsys.readouterr().err
+
+    # list
+    assert await cli("dead", "list", "--json", *flags) == Exit.OK
+    listed = json.loads(out())
+    assert {d["group_id"] for d in listed} == {"c0", "c1", "c2"}
+    assert {(d["reason"], d["source"], d["partition"]) for d in listed} == {
+        ("reward_missing_field", "traj", 0)}
+    ids = [d["id"] for d in listed]
+    assert await cli("dead", "list", *flags) == Exit.OK
+    lines = out().splitlines()
+    assert lines[0].split() == ["id", "p", "age", "reason", "group_id", "source", "detail"]
+    assert len(lines) == 4 and ids[0] in lines[1] and "reward_missing_field" in lines[1]
+    assert await cli("dead", "list", "--reason", "decode_error", *flags) == Exit.OK
+    assert "no dead letters" in out()
+    assert await cli("dead", "list", "--limit", "1", "--oldest-first", "--json", *flags) \
+        == Exit.OK
+    assert [d["id"] for d in json.loads(out())] == [ids[-1]]
+    assert await cli("dead", "list", "--until", "1h", "--json", *flags) == Exit.OK
+    assert json.loads(out()) == []
+    assert await cli("dead", "list", "--since", "last tuesday", *flags) == Exit.USAGE
+    assert "neither an age" in err()
+    assert await cli("dead", "list", "--partition", "3", *flags) == Exit.USAGE
+    assert "partitions 0..0" in err()
+    assert await cli("dead", "list", "--run", "nope", "--redis-url", redis_server.url) \
+        == Exit.NOT_FOUND
+    assert "run 'nope' not found" in err()
+
+    # show
+    assert await cli("dead", "show", ids[0], *flags) == Exit.OK
+    shown = out()
+    assert "reward_missing_field" in shown and "traj group" in shown and "bytes" in shown
+    assert await cli("dead", "show", ids[0], "--json", *flags) == Exit.OK
+    document = json.loads(out())
+    assert document["id"] == ids[0] and document["payload"]["decoded"]["kind"] == "traj"
+    assert await cli("dead", "show", "1-1", *flags) == Exit.NOT_FOUND
+    assert "no dead letter 1-1" in err()
+    assert await cli("dead", "show", "c0", *flags) == Exit.USAGE
+    assert "not a stream entry id" in err()
+
+    # requeue: refusals and the dry run change nothing
+    assert await cli("dead", "requeue", *flags) == Exit.USAGE
+    assert "--all" in err()
+    assert await cli("dead", "requeue", ids[0], "--all", *flags) == Exit.USAGE
+    assert await cli("dead", "requeue", "1-1", "--yes", *flags) == Exit.NOT_FOUND
+    assert await cli("dead", "requeue", "--all", "--dry-run", *flags) == Exit.OK
+    assert "dry run, nothing changed: 3 would requeue" in out()
+    assert await cli("dead", "requeue", ids[0], *flags) == Exit.USAGE  # no terminal, no --yes
+    assert "stdin is not a terminal" in err()
+    assert len(await letters(real_redis, RUN)) == 3
+    assert "requeued" not in await counters(real_redis)
+
+    # requeue: the confirmation prompt
+    answers: list[str] = []
+    monkeypatch.setattr("sys.stdin", _Terminal())
+    monkeypatch.setattr("builtins.input", lambda prompt: answers.pop(0))
+    answers.append("n")
+    assert await cli("dead", "requeue", ids[0], *flags) == Exit.OK
+    assert "nothing requeued" in out() and len(await letters(real_redis, RUN)) == 3
+    answers.append("y")
+    assert await cli("dead", "requeue", ids[0], *flags) == Exit.OK
+    assert "1 requeued" in out() and len(await letters(real_redis, RUN)) == 2
+
+    # requeue: --yes, --json, filters
+    assert await cli("dead", "requeue", ids[1], "--yes", "--json", *flags) == Exit.OK
+    [outcome] = json.loads(out())
+    assert (outcome["id"], outcome["action"]) == (ids[1], "requeued")
+    assert await cli("dead", "requeue", "--all", "--reason", "decode_error", "--yes",
+                     *flags) == Exit.OK
+    assert "no dead letters match" in out()
+    assert await cli("dead", "requeue", "--all", "--since", "1h", "--yes", *flags) == Exit.OK
+    assert "1 requeued" in out()
+    assert await letters(real_redis, RUN) == []
+    state = await counters(real_redis)
+    assert (state["requeued"], state["drop:reward_missing_field"]) == (3, 0)
+    assert await cli("dead", "show", ids[0], *flags) == Exit.NOT_FOUND
