@@ -5,8 +5,9 @@ Delivery rules (DESIGN.md §3):
 
 - A group is created at id 0, so a consumer group that attaches late still sees everything.
 - ``read`` returns new entries; ``read_own_pending`` returns entries this consumer took but
-  never acked (after a restart); ``reclaim`` takes over entries another consumer left
-  pending longer than ``reclaim_idle_ms``.
+  never acked (after a restart); ``recover_own_pending``, after a Redis outage, those of
+  them the caller does not hold, without counting a delivery; ``reclaim`` takes over
+  entries another consumer left pending longer than ``reclaim_idle_ms``.
 - An entry delivered more than ``max_deliveries`` times is dead-lettered, not processed
   again, whether it comes back through reclaim or through ``read_own_pending`` (Redis
   counts both; the counts are read with XPENDING), so an entry that crashes its consumer
@@ -41,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -246,6 +247,35 @@ class StreamReader:
         with their delivery counts; those delivered more than ``max_deliveries`` times
         (this re-read included) are dead-lettered instead (``max_deliveries``)."""
         return await self._read_group("0", count, None)
+
+    async def recover_own_pending(self, held: Container[tuple[str, str]],
+                                  count: int | None = None) -> list[Delivery]:
+        """After a Redis outage: this consumer's pending entries that the caller does not
+        hold (``held``: (stream, entry id) pairs), e.g. those of a read whose reply was lost.
+
+        Unlike ``read_own_pending`` it does not deliver them again (XPENDING, then XRANGE),
+        so an outage does not count as a delivery: the entries in the caller's hands are
+        not pushed towards ``max_deliveries`` by every outage ridden out while they wait.
+        Entries over ``max_deliveries`` are still dead-lettered.
+        """
+        count = count or self.settings.count
+        deliveries: list[Delivery] = []
+        async with translated_errors("recovering pending entries"):
+            for stream in self.streams:
+                rows = await self.redis.xpending_range(stream, self.group, min="-", max="+",
+                                                       count=count, consumername=self.consumer)
+                missing = {_id(row["message_id"]): int(row["times_delivered"]) for row in rows
+                           if (stream, _id(row["message_id"])) not in held}
+                if not missing:
+                    continue
+                pipe = self.redis.pipeline(transaction=False)
+                for entry_id in missing:
+                    pipe.xrange(stream, min=entry_id, max=entry_id, count=1)
+                for (entry_id, times), found in zip(missing.items(), await pipe.execute(),
+                                                    strict=True):
+                    if found:  # else its data was deleted: nothing to deliver
+                        deliveries.append(Delivery(stream, entry_id, dict(found[0][1]), times))
+        return await self._screened(deliveries)
 
     async def _read_group(self, start: str, count: int | None, block: int | None) -> list[Delivery]:
         count = count or self.settings.count

@@ -133,6 +133,7 @@ class TrainerClient:
         self._version: int | None = None  # own published (or resumed) version
         self._log_head = "0-0"
         self._started = False
+        self._recovering = False  # a Redis outage interrupted next_batch
         self._last_reclaim = 0.0
         self._empty_reads = 0
         self._rider = OutageRider(give_up_s=self.settings.redis_give_up_s, what="trainer",
@@ -195,7 +196,9 @@ class TrainerClient:
                 batch = await self._next_batch(groups, sequences, max_tokens, remaining)
             except BrokerUnavailable as exc:
                 await self._rider.failed(exc)
-                self._started = False  # then re-read what this consumer holds in Redis
+                # then take back what Redis holds for this consumer and the client does not
+                # (a read whose reply was lost), without counting a delivery of the rest
+                self._recovering = self._started
                 continue
             self._rider.recovered()
             return batch
@@ -206,6 +209,12 @@ class TrainerClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._started:
             await self._start()
+        elif self._recovering:
+            await self._admit(await self.reader.recover_own_pending(self._held, count=100_000))
+            self._recovering = False
+        # Redis answers again: the outage ends now, not when the batch is full (which may
+        # be long after), or the next outage would count from this one's start.
+        self._rider.recovered()
         version = await self.current_version()
         while True:
             await self._drop_stale(version)
@@ -263,6 +272,15 @@ class TrainerClient:
         seen-set write repeats the same value, a log entry written twice replays once
         (``load_state`` dedups), and ``ack_counted`` counts only entries it acks first.
         """
+        # Why retrying the whole of _ack is safe wherever the outage cut it (before the
+        # record, between record and ack, or after the XACK with its reply lost): the
+        # record is one MULTI (all or nothing) whose seen-set write sets the same value
+        # again and whose log entry, if written twice, lists the same groups, which
+        # ``load_state`` replays once; the entries stay in ``_held`` until a try succeeds;
+        # and the ack script counts ``consumed`` only for the entries its own XACK took out
+        # of the pending list, so a retry after an XACK that went through counts 0 and the
+        # counter stays exact. A restart that lost the last writes (AOF everysec, kill -9)
+        # is the same case as one that never received them: the retry writes them again.
         return await self._rider.call(lambda: self._ack(batch))
 
     async def _ack(self, batch: BatchData) -> int:
@@ -371,8 +389,8 @@ class TrainerClient:
     # -- internals -------------------------------------------------------------------------
 
     async def _start(self) -> None:
-        self._started = True
         await self._admit(await self.reader.read_own_pending(count=100_000))
+        self._started = True  # only now: an outage before this point starts over
         self._last_reclaim = time.monotonic()
         await self._admit(await self.reader.reclaim())
 
