@@ -106,8 +106,11 @@ class Role:
     log: Path
     process: subprocess.Popen[bytes] | None = None
     kills: int = 0
+    started_at: float = 0.0
+    """``time.monotonic()`` of the last start."""
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(self.argv, env=self.env, cwd=REPO_ROOT,
                                             stdout=out, stderr=out, stdin=subprocess.DEVNULL,
