@@ -60,13 +60,12 @@ def check_values(name: str, array: np.ndarray[Any, Any], *, low: float | None = 
     NaN propagates through ``min``/``max``, so a float array needs only those two reductions;
     a stride-0 view (``broadcast``) holds one value, so only that one is read.
     """
-    if not array.size:
+    size = array.size
+    if not size:
         return
-    if array.strides == (0,):
-        array = array[:1]
     floating = array.dtype.kind == "f"
-    if array.size < _FEW:
-        values = array.tolist()
+    if size < _FEW or array.strides == (0,):
+        values = array.tolist() if size < _FEW else [array.item(0)]
         # a float64 sum of float32 values is finite exactly when every value is
         if floating and not math.isfinite(sum(values)):
             raise ValueError(f"{name} holds a non-finite value")
