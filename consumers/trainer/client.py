@@ -60,7 +60,7 @@ import httpx
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import Delivery, ReaderSettings, StreamReader
+from consumers.bus import Delivery, ReaderSettings, StreamReader, is_entry_id, run_of_stream
 from consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
 from consumers.trainer.errors import ResumeError
 from consumers.trainer.layout import pad_groups
@@ -339,6 +339,12 @@ class TrainerClient:
         except (KeyError, TypeError, ValueError) as exc:
             raise ResumeError(f"malformed trainer state: {exc!r}") from exc
         entries = pending + await self._ledger.log_since(check_consumer_name(consumer), log_id)
+        foreign = [e for e in entries
+                   if run_of_stream(e.stream) != self.run or not is_entry_id(e.entry_id)]
+        if foreign:  # a damaged checkpoint: Redis would answer the lookup with an error
+            raise ResumeError(f"{len(foreign)} groups to replay are not entries of run "
+                              f"{self.run!r}'s streams (first: {foreign[0].stream[:80]!r} "
+                              f"{foreign[0].entry_id[:40]!r})")
         unique: list[TrainedEntry] = []
         listed: set[str] = set()
         for entry in entries:  # a group listed twice (a retried ack) is replayed once

@@ -13,7 +13,7 @@ from consumers.trainer import ResumeError, TrainerClient
 from schemas import BrokerUnavailable
 from schemas.keys import stream_key
 from tests.factories import make_group
-from tests.trainer.helpers import client, counter, publish_many, publish_scored
+from tests.trainer.helpers import RUN, client, counter, publish_many, publish_scored
 
 
 async def train(tc: TrainerClient, steps: int | None, groups: int = 3) -> list[str]:
@@ -144,6 +144,12 @@ async def test_resume_refuses_a_trimmed_log_or_a_foreign_state(redis: aioredis.R
             await tc.load_state({**saved, "run": "elsewhere"})
         with pytest.raises(ResumeError, match="malformed"):
             await tc.load_state({"format": 1, "run": "test"})
+        # a damaged replay list: ids Redis cannot parse, another run's stream
+        scored = stream_key(RUN, 0, "scored")
+        for stream, entry_id in [(scored, "99999999999999999999999-0"), (scored, "1-x"),
+                                 (stream_key("elsewhere", 0, "scored"), "1-0")]:
+            with pytest.raises(ResumeError, match="are not entries of run 'test'"):
+                await tc.load_state({**saved, "replay": [[stream, entry_id, "g000"]]})
     await redis.delete("rollq:{test}:trainer:log:rank0")
     async with client(redis) as tc:
         with pytest.raises(ResumeError, match="no longer holds"):
