@@ -52,7 +52,7 @@ async def test_outages_while_groups_wait_in_hand_are_not_deliveries(
             for outage in range(1, 4):
                 await asyncio.sleep(1.5)  # next_batch is blocked in a read
                 await asyncio.to_thread(server.restart, kill=kill)
-                await until(lambda outage=outage: ended(logs) >= outage)  # type: ignore[misc]
+                await until(lambda outage=outage: ended(logs) >= outage)
             await publish_many(redis, 1, prefix="late")
             second = await asyncio.wait_for(waiting, 60)
             assert first.group_ids == ["g000", "g001"] and second.group_ids == ["late000"]
