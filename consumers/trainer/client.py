@@ -185,9 +185,11 @@ class TrainerClient:
         ``timeout_s`` bounds the wait and returns what is there (possibly empty); None waits
         for a full batch, 0 takes only what is available now.
 
-        A Redis outage is ridden out (``redis_give_up_s``): the call waits it out, takes
-        back the entries this consumer held when Redis went away, and goes on; past the
-        give-up time it raises ``BrokerUnavailable``.
+        A Redis outage is ridden out (``redis_give_up_s``, timed from each outage's
+        start): the call waits it out, logs its start and end, takes back what Redis holds
+        for this consumer that the client does not (a read whose reply was lost) without
+        counting another delivery of what it does hold, and goes on; past the give-up
+        time it raises ``BrokerUnavailable``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
