@@ -256,14 +256,22 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                         return
                     raise
                 except (BrokerUnavailable, redis_errors.ConnectionError,
-                        redis_errors.TimeoutError, OSError) as exc:
+                        redis_errors.TimeoutError, redis_errors.WatchError, OSError) as exc:
+                    # WatchError: arq's job pick-up WATCHes keys, and redis-py reports a
+                    # connection lost during that WATCH as one
                     await rider.failed(exc if isinstance(exc, BrokerUnavailable) else
-                                       BrokerUnavailable(f"redis unavailable: {exc}"))
+                                       BrokerUnavailable(f"redis unavailable: {exc!r}"))
                     await rider.call(lambda: _ping(probe))
     finally:
-        with contextlib.suppress(redis_errors.ConnectionError, redis_errors.TimeoutError,
-                                 OSError):
+        try:
             await worker.close()
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
+            pass  # Redis is away: the jobs in hand are still in arq's queue
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # else: a job task the shutdown cancelled; arq puts the job back in the queue
         await probe.aclose()
 
 
