@@ -57,7 +57,10 @@ async def test_three_feeders_at_once_admit_each_position_once(
         for client in clients:
             await client.aclose()
     assert sorted(enqueued) == list(range(100))  # every position once, none skipped
-    assert bool(refused) == (lease_s < 1)  # feeders fed the same positions only without it
+    if lease_s >= 1:  # with the lease held, no feeder enqueues a position another did
+        assert not refused
+    # (with leases expiring mid-feed they usually overlap, but how often is timing: the
+    # assertions above hold either way, which is the point)
     assert int(await real_redis.hget(state_key(RUN), ADMITTED_FIELD)) == 100
     assert int(await real_redis.zcard(queue_name(RUN))) == 100
     assert int(await real_redis.hget(state_key(RUN), CURSOR_FIELD)) == 100
