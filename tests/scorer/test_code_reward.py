@@ -296,9 +296,9 @@ print(open("inside.txt").read())
 """
     result = run(program)
     lines = result.stdout.decode().splitlines()
-    assert lines[:-1] == ["denied " + name for name in
-                          ["OSError", "OSError", "OSError", "PermissionError",
-                           "PermissionError", "PermissionError"]], lines
+    # Every write is denied; which error depends on where the checkout lies (under /tmp it
+    # sits below the sandbox's empty read-only /tmp: no such directory, not no permission).
+    assert len(lines) == 7 and all(line.startswith("denied ") for line in lines[:-1]), lines
     assert lines[-1] == "ok"
     for path in [f"/tmp/{target}", f"/var/tmp/{target}", f"/dev/shm/{target}",
                  str(REPO / target), f"/{target}", f"/etc/{target}"]:
