@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from producers.inference import InferencePool, SamplingParams
+from producers.inference.capture import EpisodeClient
 from schemas import Completion
 
 PolicyVersion = Callable[[], Awaitable[int]]
@@ -71,3 +72,53 @@ class Env(Protocol):
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout: ...
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """What an agent's episode returns (``AgentEnv.run_episode``; a bare float is the
+    reward, None is no reward and no metadata)."""
+
+    reward: float | None = None
+    """The episode's own reward (e.g. the env's return); every sequence of the episode
+    carries it as ``Completion.info["env_score"]``, the reward bridge's ``env_score``
+    component. None: left to the scorer's other components."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """JSON-serialisable facts about the episode, kept as ``info["episode_metadata"]``."""
+
+
+@runtime_checkable
+class AgentEnv(Protocol):
+    """An env whose episodes call the model themselves (``producers.envs.episode``).
+
+    ``name``, ``len(env)`` and ``item(index)`` as for ``Env``;
+    ``run_episode(client, item, *, sampling)`` plays one episode of the item, calling the
+    model through ``client`` (an ``EpisodeClient``: ``client.chat.completions.create``,
+    ``client.completions.create``), and returns an ``EpisodeResult``, a float reward, or
+    None. ``sampling`` holds the worker's settings (with a per-episode seed when one is
+    set); they fill every field a call leaves out. A group is ``group_size`` episodes of
+    one item run concurrently; every call is captured and becomes one or more sequences
+    (``producers.inference.capture``). Raise (or let through) ``InferenceUnavailable``
+    to have the job retried; any other exception follows the failure taxonomy.
+    ``make_env`` wraps such an env in ``ClientEpisodeEnv``, so workers run it unchanged.
+    """
+
+    name: str
+
+    def __len__(self) -> int: ...
+
+    def item(self, index: int) -> Item: ...
+
+    async def run_episode(self, client: EpisodeClient, item: Item, *,
+                          sampling: SamplingParams) -> EpisodeResult | float | None: ...
+
+
+class EpisodeWorkflow(Protocol):
+    """An agent that reaches the model through an OpenAI-compatible base URL (AReaL's
+    workflow shape): ``run(data, base_url=, http_client=, api_key=)`` with the item's
+    fields as ``data``, the episode's own captured URL, and the ``httpx.AsyncClient`` that
+    reaches it (None when any client does). Returns like ``run_episode``. Run by
+    ``producers.envs.episode.GatewayEpisodeEnv``."""
+
+    async def run(self, data: dict[str, Any], *, base_url: str, http_client: Any,
+                  api_key: str) -> Any: ...

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from producers.inference import InferencePool, Message
+from producers.inference.turns import close_turn  # shared with the capture layer
 from schemas import ConfigError
 
 Observation = str | list[Message]
@@ -56,16 +57,6 @@ def observation_text(observation: Observation) -> str:
     if isinstance(observation, str):
         return observation
     return "\n".join(str(message.get("content", "")) for message in observation)
-
-
-def close_turn(model_ids: Sequence[int], turn_end: Sequence[int]) -> list[int]:
-    """The end-of-turn tokens still missing after ``model_ids``: the suffix of ``turn_end``
-    not already emitted by the model (``turn_end[k:]`` for the longest ``k`` with
-    ``model_ids`` ending in ``turn_end[:k]``)."""
-    for emitted in range(len(turn_end), 0, -1):
-        if list(model_ids[-emitted:]) == list(turn_end[:emitted]):
-            return list(turn_end[emitted:])
-    return list(turn_end)
 
 
 class ObservationEncoder(Protocol):

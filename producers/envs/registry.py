@@ -15,7 +15,9 @@ Dataset envs take ``source``, ``split``, ``subset``, ``data_files``, ``mode`` (`
 ``system_prompt``.
 
 Any other name of the form ``package.module:attribute`` is imported: an ``Env`` instance
-is returned as is; a callable (class or factory) is called with the options.
+is returned as is; a callable (class or factory) is called with the options. An
+``AgentEnv`` (episodes that call the model themselves, ``run_episode``) is wrapped in
+``ClientEpisodeEnv``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from producers.envs.base import Env
+from producers.envs.base import AgentEnv, Env
 from producers.envs.dataset import PromptStyle, gsm8k_env, math_env
+from producers.envs.episode import ClientEpisodeEnv
 from producers.envs.guess import GuessGame
 from producers.envs.multiturn import EpisodeEnv, EpisodeRunner
 from producers.envs.sums import sums_env
@@ -87,6 +90,8 @@ def make_env(name: str, **options: Any) -> Env:
     else:
         raise ConfigError(f"unknown env {name!r}; choose one of {sorted(BUILTIN)} or give "
                           "a 'package.module:attribute' path")
+    if isinstance(factory, AgentEnv) and not isinstance(factory, Env) and not callable(factory):
+        factory = ClientEpisodeEnv(factory)  # an agent env: its episodes call the model
     if isinstance(factory, Env) and not callable(factory):
         if options:
             raise ConfigError(f"env {name!r} is an instance and takes no options")
@@ -95,6 +100,8 @@ def make_env(name: str, **options: Any) -> Env:
         env = factory(**options)
     except TypeError as exc:
         raise ConfigError(f"bad options for env {name!r}: {exc}") from exc
+    if isinstance(env, AgentEnv) and not isinstance(env, Env):
+        env = ClientEpisodeEnv(env)
     if not isinstance(env, Env):
         raise ConfigError(f"{name!r} did not produce an Env (got {type(env).__name__})")
     return env

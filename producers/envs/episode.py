@@ -1,0 +1,232 @@
+"""Agents that call the model themselves, as ``Env``s the rollout worker runs unchanged.
+
+- ``ClientEpisodeEnv(env)``: an ``AgentEnv`` whose ``run_episode(client, item, sampling=)``
+  gets an ``EpisodeClient``.
+- ``GatewayEpisodeEnv(name, workflow, records, gateway=)``: an ``EpisodeWorkflow`` (AReaL's
+  ``run(data, base_url=, http_client=, api_key=)``) that talks to an OpenAI-compatible base
+  URL of its own: an in-process ``LocalGateway`` on the worker's pool by default, or a
+  ``RemoteGateway`` (a ``rollq gateway``) for agents that build their own HTTP client.
+
+A group is ``group_size`` episodes of one item, run concurrently (episode ``j`` samples with
+``seed + j`` when the worker's sampling has a seed). Every call is captured
+(``producers.inference.capture``); ``build_rollout`` turns the episodes into one group:
+
+- the group's ``prompt_ids`` are the longest common prefix of every sequence's prompt
+  (the whole first prompt when all episodes start alike);
+- each sequence is one ``Completion``: the rest of its own prompt (masked, logprob 0),
+  then its model tokens (mask 1, the server's logprobs) and env tokens (mask 0);
+- ``Completion.info`` says where it belongs: ``episode`` (the sample, 0..group_size-1),
+  ``sequence`` (its index within the episode, in the order the sequences started),
+  ``sequences`` (how many the episode has), ``prompt_tokens`` (how many leading tokens
+  are its own masked prompt), ``calls`` (the episode's call indices merged into it),
+  ``capture`` (the episode's ``CaptureStats``: ``calls``, ``token_in``, ``text_drift``,
+  ``rejected``, ``unavailable``), ``episode_metadata``, and ``env_score`` (the episode's
+  reward, when it returned one). A group may thus hold more completions than
+  ``group_size``; consumers that need one value per sample group by ``info["episode"]``.
+
+Failures: a call that failed for want of inference fails the job with
+``InferenceUnavailable`` (retried), even if the agent caught the error; an episode that
+made no model call is a ``ContractError``; anything the episode raises goes to the
+worker's failure taxonomy as is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from producers.envs.base import (
+    AgentEnv,
+    EpisodeResult,
+    EpisodeWorkflow,
+    Item,
+    PolicyVersion,
+    Rollout,
+)
+from producers.inference import InferencePool, SamplingParams
+from producers.inference.capture import (
+    CapturedEpisode,
+    CaptureHub,
+    EpisodeCapture,
+    EpisodeClient,
+    EpisodeGateway,
+    LocalGateway,
+    Upstream,
+)
+from schemas import Completion, ContractError, InferenceUnavailable
+
+
+def as_result(value: Any) -> EpisodeResult:
+    """An episode's return value as an ``EpisodeResult`` (a number is the reward)."""
+    if value is None:
+        return EpisodeResult()
+    if isinstance(value, EpisodeResult):
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return EpisodeResult(reward=float(value))
+    raise ContractError(f"an episode returned a {type(value).__name__}: return an "
+                        "EpisodeResult, a float reward or None")
+
+
+def episode_sampling(sampling: SamplingParams, episode: int) -> SamplingParams:
+    """The sampling of episode ``episode`` of a group: its own seed when one is set."""
+    if sampling.seed is None:
+        return sampling
+    return sampling.model_copy(update={"seed": sampling.seed + episode})
+
+
+class _UpstreamCache:
+    """One ``Upstream`` per pool (its model name and template probe are learned once)."""
+
+    def __init__(self) -> None:
+        self._by_pool: dict[int, Upstream] = {}
+
+    def __call__(self, pool: InferencePool) -> Upstream:
+        upstream = self._by_pool.get(id(pool))
+        if upstream is None or upstream.pool is not pool:
+            upstream = self._by_pool[id(pool)] = Upstream(pool)
+        return upstream
+
+
+@dataclass
+class ClientEpisodeEnv:
+    """An ``Env`` of an ``AgentEnv`` (module docstring)."""
+
+    env: AgentEnv
+    tool_parser: str | None = "hermes"
+    """How token-in chat replies find tool calls (``capture.toolcalls``)."""
+    _upstreams: _UpstreamCache = field(default_factory=_UpstreamCache, init=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.env.name
+
+    def __len__(self) -> int:
+        return len(self.env)
+
+    def item(self, index: int) -> Item:
+        return self.env.item(index)
+
+    async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
+                      sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
+        upstream = self._upstreams(pool)
+
+        async def episode(index: int) -> tuple[CapturedEpisode, EpisodeResult]:
+            params = episode_sampling(sampling, index)
+            capture = EpisodeCapture(upstream, episode_id=str(index), defaults=params.body(),
+                                     policy_version=policy_version,
+                                     tool_parser=self.tool_parser)
+            try:
+                value = await self.env.run_episode(EpisodeClient(capture), item,
+                                                   sampling=params)
+            finally:
+                captured = capture.close()
+            return captured, as_result(value)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(episode(index)) for index in range(group_size)]
+        return build_rollout([task.result() for task in tasks], item)
+
+
+@dataclass
+class GatewayEpisodeEnv:
+    """An ``Env`` of an ``EpisodeWorkflow`` over a dataset (module docstring).
+
+    - ``records``: the dataset; item ``i`` is ``records[i]`` (a JSON object).
+    - ``gateway``: None for a ``LocalGateway`` on the worker's pool (the workflow must use
+      the ``http_client`` it is given), or e.g. ``RemoteGateway(url)``.
+    - ``api_key``: what the workflow is told to send (a gateway checks none).
+    """
+
+    name: str
+    workflow: EpisodeWorkflow
+    records: Sequence[dict[str, Any]]
+    gateway: EpisodeGateway | None = None
+    api_key: str = "rollq"
+    tool_parser: str | None = "hermes"
+    _upstreams: _UpstreamCache = field(default_factory=_UpstreamCache, init=False, repr=False)
+    _local: dict[int, LocalGateway] = field(default_factory=dict, init=False, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def item(self, index: int) -> Item:
+        return Item(index=index, fields=dict(self.records[index]))
+
+    def _gateway(self, pool: InferencePool) -> EpisodeGateway:
+        if self.gateway is not None:
+            return self.gateway
+        local = self._local.get(id(pool))
+        if local is None or local.hub.upstream.pool is not pool:
+            hub = CaptureHub(self._upstreams(pool), tool_parser=self.tool_parser)
+            local = self._local[id(pool)] = LocalGateway(hub)
+        return local
+
+    async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
+                      sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
+        gateway = self._gateway(pool)
+        stamp = None if isinstance(gateway, LocalGateway) else await policy_version()
+
+        async def episode(index: int) -> tuple[CapturedEpisode, EpisodeResult]:
+            params = episode_sampling(sampling, index)
+            opened = await gateway.open(defaults=params.body(), policy_version=policy_version)
+            try:
+                value = await self.workflow.run(dict(item.fields), base_url=opened.base_url,
+                                                http_client=opened.http_client,
+                                                api_key=self.api_key)
+            finally:
+                captured = await gateway.close(opened)
+            return captured, as_result(value)
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(episode(index)) for index in range(group_size)]
+        return build_rollout([task.result() for task in tasks], item, stamp_version=stamp)
+
+
+def common_prefix_length(sequences: list[list[int]]) -> int:
+    """How many leading tokens every sequence shares."""
+    low, high = min(sequences), max(sequences)  # lexicographic extremes bound every prefix
+    for position, (a, b) in enumerate(zip(low, high, strict=False)):
+        if a != b:
+            return position
+    return min(len(low), len(high))
+
+
+def build_rollout(episodes: list[tuple[CapturedEpisode, EpisodeResult]], item: Item, *,
+                  stamp_version: int | None = None) -> Rollout:
+    """One group of the episodes' sequences (module docstring). ``stamp_version`` replaces
+    every token's version (captures that could not read it: a remote gateway)."""
+    for index, (captured, _result) in enumerate(episodes):
+        if captured.unavailable_error is not None:
+            raise InferenceUnavailable(f"episode {index}: a model call failed: "
+                                       f"{captured.unavailable_error}")
+        if not captured.sequences:
+            raise ContractError(f"episode {index} made no model call that returned a token")
+    prompts = [seq.prompt_ids for captured, _ in episodes for seq in captured.sequences]
+    common = common_prefix_length(prompts)
+    prompt_ids = prompts[0][:common]
+    completions = []
+    for index, (captured, result) in enumerate(episodes):
+        for number, seq in enumerate(captured.sequences):
+            own = seq.prompt_ids[common:]
+            versions = ([seq.versions[0]] * len(own) + seq.versions if stamp_version is None
+                        else [stamp_version] * (len(own) + len(seq.versions)))
+            info: dict[str, Any] = {
+                "episode": index, "sequence": number, "sequences": len(captured.sequences),
+                "prompt_tokens": len(own), "calls": seq.calls,
+                "capture": captured.stats.model_dump(), "episode_metadata": result.metadata,
+            }
+            if result.reward is not None:
+                info["env_score"] = result.reward
+            completions.append(Completion(
+                completion_ids=[*own, *seq.completion_ids],
+                logprobs=[0.0] * len(own) + seq.logprobs,
+                loss_mask=[0] * len(own) + seq.loss_mask,
+                policy_version=versions[0],
+                token_versions=versions if len(set(versions)) > 1 else None,
+                finish_reason=seq.finish_reason, text=seq.text, messages=seq.messages,
+                info=info))
+    return Rollout(prompt_ids=prompt_ids, completions=completions,
+                   metadata={**item.fields, "episodes": len(episodes)})

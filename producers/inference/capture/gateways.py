@@ -1,0 +1,118 @@
+"""Where an episode's OpenAI base URL comes from: an in-process hub or a remote gateway.
+
+An ``EpisodeGateway`` opens an episode (``OpenEpisode``: its id, base URL, and the
+``http_client`` to reach it with) and closes it (its ``CapturedEpisode``):
+
+- ``LocalGateway``: a ``CaptureHub`` in the worker's process, reached through
+  ``CaptureTransport`` (an httpx transport, no socket): agents that accept an
+  ``http_client`` (``openai.AsyncOpenAI(base_url=..., http_client=...)``, AReaL's workflow
+  ``run(data, base_url=, http_client=, api_key=)``) are captured with no server running.
+- ``RemoteGateway``: a ``rollq gateway`` over HTTP (``POST /episodes``, ``POST
+  /episodes/<id>/close``): for agents that build their own client from a base URL, or run
+  in another process or container. Its calls are stamped with no policy version (the
+  gateway does not read Redis): the env adapter stamps the version read at open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from producers.inference.capture.hub import CaptureHub
+from producers.inference.capture.record import CapturedEpisode
+from producers.inference.capture.session import PolicyVersionReader
+from schemas import ContractError, InferenceUnavailable
+
+LOCAL_BASE = "http://rollq-capture.local"
+"""Base URL of the in-process hub (resolved by ``CaptureTransport``, never by DNS)."""
+
+
+@dataclass(frozen=True)
+class OpenEpisode:
+    """An episode the gateway is capturing."""
+
+    episode_id: str
+    base_url: str
+    """The OpenAI base URL of this episode (``…/episodes/<id>/v1``)."""
+    http_client: httpx.AsyncClient | None
+    """The client that reaches ``base_url`` (None: any HTTP client does)."""
+
+
+class EpisodeGateway(Protocol):
+    async def open(self, *, defaults: dict[str, Any],
+                   policy_version: PolicyVersionReader | None) -> OpenEpisode: ...
+
+    async def close(self, episode: OpenEpisode) -> CapturedEpisode: ...
+
+
+class CaptureTransport(httpx.AsyncBaseTransport):
+    """An httpx transport answering from a ``CaptureHub`` in this process."""
+
+    def __init__(self, hub: CaptureHub) -> None:
+        self.hub = hub
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        reply = await self.hub.dispatch(request.method, request.url.path, await request.aread())
+        if reply.events is not None:
+            return httpx.Response(reply.status, headers=reply.headers, content=reply.events)
+        return httpx.Response(reply.status, content=reply.content(),
+                              headers={"content-type": "application/json", **reply.headers})
+
+
+class LocalGateway:
+    """Episodes on an in-process ``CaptureHub`` (module docstring)."""
+
+    def __init__(self, hub: CaptureHub) -> None:
+        self.hub = hub
+        self.transport = CaptureTransport(hub)
+
+    async def open(self, *, defaults: dict[str, Any],
+                   policy_version: PolicyVersionReader | None) -> OpenEpisode:
+        capture = self.hub.open(defaults=defaults, policy_version=policy_version)
+        client = httpx.AsyncClient(transport=self.transport, base_url=LOCAL_BASE,
+                                   timeout=None)
+        return OpenEpisode(capture.episode_id,
+                           f"{LOCAL_BASE}/episodes/{capture.episode_id}/v1", client)
+
+    async def close(self, episode: OpenEpisode) -> CapturedEpisode:
+        if episode.http_client is not None:
+            await episode.http_client.aclose()
+        return self.hub.close(episode.episode_id)
+
+
+class RemoteGateway:
+    """Episodes on a ``rollq gateway`` at ``url`` (module docstring)."""
+
+    def __init__(self, url: str, *, transport: httpx.AsyncBaseTransport | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.transport = transport
+        self.timeout_s = timeout_s
+
+    async def open(self, *, defaults: dict[str, Any],
+                   policy_version: PolicyVersionReader | None) -> OpenEpisode:
+        body = await self._post("/episodes", {"defaults": defaults})
+        episode_id = str(body["episode_id"])
+        return OpenEpisode(episode_id, f"{self.url}/episodes/{episode_id}/v1", None)
+
+    async def close(self, episode: OpenEpisode) -> CapturedEpisode:
+        body = await self._post(f"/episodes/{episode.episode_id}/close", {})
+        return CapturedEpisode.model_validate(body)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+        try:
+            async with httpx.AsyncClient(transport=self.transport,
+                                         timeout=self.timeout_s) as client:
+                response = await client.post(self.url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise InferenceUnavailable(f"gateway {self.url}{path}: {type(exc).__name__}: "
+                                       f"{exc}") from exc
+        if response.status_code >= 500:
+            raise InferenceUnavailable(f"gateway {self.url}{path} answered "
+                                       f"{response.status_code}: {response.text[:300]}")
+        if not response.is_success:
+            raise ContractError(f"gateway {self.url}{path} answered {response.status_code}: "
+                                f"{response.text[:300]}")
+        return response.json()
