@@ -17,6 +17,7 @@ from ops import dead_cli as dead_command
 from ops import runs as runs_command
 from ops.atropos import command as atropos_command
 from ops.cli import Exit, redis_client, settings_for
+from ops.gateway import command as gateway_command
 from ops.settings import CommonSettings
 from ops.status import RunNotFound, collect_status, known_runs, render_status
 from ops.tail import printer
@@ -334,5 +335,6 @@ COMMANDS: dict[str, Command] = {
                    "'train' extra)", _tiny_model_args, tiny_model),
     "atropos-api": (atropos_command.HELP, atropos_command.add_arguments,
                     atropos_command.atropos_api),
+    "gateway": (gateway_command.HELP, gateway_command.add_arguments, gateway_command.gateway),
 }
 NO_COMMON_FLAGS = {"dead", "runs", "tiny-model"}

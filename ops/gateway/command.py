@@ -1,0 +1,38 @@
+"""``rollq gateway``: flags and the handler (uvicorn appears here and nowhere else)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from ops.cli import Exit, settings_for
+
+HELP = ("serve the capturing OpenAI-compatible gateway in front of vLLM servers: each "
+        "episode gets its own base URL (POST /episodes), every call's tokens are recorded "
+        "(POST /episodes/<id>/close returns them)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="interface to listen on [127.0.0.1]")
+    parser.add_argument("--port", type=int, help="port to listen on [8100]")
+    parser.add_argument("--inference", nargs="+", metavar="URL",
+                        help="vLLM base URL(s) [ROLLQ_INFERENCE, default http://127.0.0.1:8000]")
+    parser.add_argument("--model", help="served model name [asked from /v1/models]")
+    parser.add_argument("--episode-ttl", type=float, dest="episode_ttl_s",
+                        help="drop an episode idle this many seconds [3600]")
+
+
+async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    import uvicorn
+
+    from ops.gateway.app import create_app
+    from ops.gateway.settings import GatewaySettings
+
+    inference = [url for value in args.inference or [] for url in value.split(",") if url]
+    settings: GatewaySettings = settings_for(
+        GatewaySettings, args, environ, host=args.host, port=args.port,
+        inference=inference or None, model=args.model, episode_ttl_s=args.episode_ttl_s)
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_config=None, access_log=False, lifespan="on")
+    await uvicorn.Server(config).serve()
+    return Exit.OK

@@ -1,0 +1,27 @@
+"""Settings of ``rollq gateway``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ops.settings import CommonSettings
+
+
+class GatewaySettings(CommonSettings):
+    """The capturing gateway in front of one model's vLLM servers (it uses no Redis)."""
+
+    section: str = Field(default="gateway", exclude=True, repr=False)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8100, ge=0, le=65535)
+    inference: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    """vLLM base URLs (one model); balanced, health-checked, paused-aware like a worker's."""
+    model: str | None = None
+    """Served model name; None: asked from ``/v1/models``. Every request is sent with it."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for one generation."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a failed upstream call before the agent gets a 503."""
+    episode_ttl_s: float = Field(default=3600.0, gt=0)
+    """An episode with no call and no close for this long is dropped (its worker died)."""
+    tool_parser: str | None = "hermes"
+    """How replies of token-in chat calls find tool calls: ``hermes`` or None."""

@@ -1,0 +1,238 @@
+"""The capturing gateway: an unmodified ``openai`` agent per episode base URL, in-process
+(ASGI, the capture transport) and through a real uvicorn; streaming; errors; real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+
+from ops.cli import build_parser
+from ops.gateway.app import create_app
+from ops.gateway.settings import GatewaySettings
+from producers.envs.base import EpisodeResult, Item
+from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv, build_rollout
+from producers.inference.capture import CapturedEpisode, RemoteGateway
+from tests.agents.agents import (
+    CALCULATOR,
+    QUESTIONS,
+    CalculatorEnv,
+    CalculatorWorkflow,
+    calculator_episode,
+)
+from tests.agents.fake_agent_vllm import AgentFakeVLLM, decode
+from tests.agents.helpers import assert_exactly_served, served, tool_script, trainable_runs
+from tests.agents.pipeline import run_workers, score_and_train
+from tests.producers.fake_vllm import fake_transport
+from tests.redis_server import RedisServer
+
+RECORDS = [{"question": question, "answer": "42"} for question in QUESTIONS]
+
+
+@contextlib.asynccontextmanager
+async def gateway(fake: AgentFakeVLLM) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny"),
+                     transport=fake_transport(fake))
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=transport, base_url="http://gw.test") as client:
+        client.agent_transport = transport  # type: ignore[attr-defined]
+        yield client
+
+
+def agent_on(http: httpx.AsyncClient, base_url: str, **options: Any) -> openai.AsyncOpenAI:
+    """An unmodified ``openai`` client on the in-process gateway (its own http client)."""
+    transport = http.agent_transport  # type: ignore[attr-defined]
+    return openai.AsyncOpenAI(base_url=base_url, api_key="x",
+                              http_client=httpx.AsyncClient(transport=transport), **options)
+
+
+async def open_episode(client: httpx.AsyncClient) -> str:
+    response = await client.post("/episodes")
+    assert response.status_code == 200
+    return str(response.json()["episode_id"])
+
+
+async def test_an_unmodified_openai_agent_is_captured_per_episode() -> None:
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=True)
+    async with gateway(fake) as http:
+        ids = [await open_episode(http) for _ in range(2)]
+        rewards = []
+        for episode_id in ids:
+            async with agent_on(http, f"http://gw.test/episodes/{episode_id}/v1") as agent:
+                rewards.append(await calculator_episode(agent, QUESTIONS[0]))
+                models = await agent.models.list()
+        closed = [CapturedEpisode.model_validate((await http.post(
+            f"/episodes/{episode_id}/close")).json()) for episode_id in ids]
+        again = await http.post(f"/episodes/{ids[0]}/close")
+    assert rewards == [1.0, 1.0] and models.data[0].id == "rollq-tiny"
+    assert again.status_code == 404
+    for episode in closed:
+        [sequence] = episode.sequences
+        assert episode.stats.calls == 3 and episode.stats.text_drift == 2
+        assert sequence.calls == [0, 1, 2]
+        masked = decode([t for t, m in zip(sequence.completion_ids, sequence.loss_mask,
+                                           strict=True) if not m])
+        assert "tool\n42" in masked and "tool\n20" in masked
+    rollout = build_rollout([(c, EpisodeResult()) for c in closed], Item(0, {}))
+    assert_exactly_served(rollout.completions, list(rollout.prompt_ids), fake.replies)
+
+
+async def test_replies_lose_forced_fields_unless_asked_and_streaming_works() -> None:
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=False)
+    async with gateway(fake) as http:
+        episode_id = await open_episode(http)
+        base = f"http://gw.test/episodes/{episode_id}/v1"
+        async with agent_on(http, base) as agent:
+            messages: list[Any] = [{"role": "user", "content": "What is 6*7?"}]
+            plain = await agent.chat.completions.create(model="m", messages=messages, max_tokens=96,
+                                                        tools=[CALCULATOR])
+            asked = await agent.chat.completions.create(model="m", messages=messages, max_tokens=96,
+                                                        logprobs=True)
+            stream = await agent.chat.completions.create(
+                model="m", messages=messages, tools=[CALCULATOR], stream=True, max_tokens=96,
+                stream_options={"include_usage": True})
+            chunks = [chunk async for chunk in stream]
+            text = await agent.completions.create(model="m", prompt="2+2=", max_tokens=4,
+                                                  stream=True)
+            text_chunks = [chunk async for chunk in text]
+        captured = CapturedEpisode.model_validate(
+            (await http.post(f"/episodes/{episode_id}/close")).json())
+    choice = plain.choices[0]
+    assert choice.logprobs is None and choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "calculator"
+    assert "token_ids" not in (choice.model_extra or {})
+    assert asked.choices[0].logprobs is not None
+    calls = [c for chunk in chunks for choice in chunk.choices
+             for c in choice.delta.tool_calls or []]
+    assert calls and calls[0].function and calls[0].function.name == "calculator"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert "".join(c.choices[0].text for c in text_chunks if c.choices) == \
+        fake.replies[-1]["choices"][0]["text"]
+    assert captured.stats.calls == 4
+    # the same first question three times: three sequences of one call each, and the text call
+    assert len(captured.sequences) == 4
+
+
+async def test_gateway_errors_answer_in_openais_shape() -> None:
+    fake = AgentFakeVLLM()
+    async with gateway(fake) as http:
+        async with agent_on(http, "http://gw.test/episodes/nope/v1", max_retries=0) as agent:
+            with pytest.raises(openai.NotFoundError):
+                await agent.chat.completions.create(model="m", messages=[])
+        episode_id = await open_episode(http)
+        base = f"http://gw.test/episodes/{episode_id}/v1"
+        async with agent_on(http, base, max_retries=0) as agent:
+            fake.down = True
+            with pytest.raises(openai.InternalServerError) as down:
+                await agent.chat.completions.create(model="m", messages=[
+                    {"role": "user", "content": "hi"}])
+            assert down.value.status_code == 503
+            fake.down = False
+            with pytest.raises(openai.BadRequestError):
+                await agent.chat.completions.create(model="m", n=2, messages=[
+                    {"role": "user", "content": "hi"}])
+        assert (await http.post(base + "/chat/completions", content=b"{")).status_code == 400
+        closed = CapturedEpisode.model_validate(
+            (await http.post(f"/episodes/{episode_id}/close")).json())
+        assert closed.stats.unavailable == 1 and closed.unavailable_error
+        assert (await http.get("/health")).json()["episodes"] == 0
+
+
+async def test_idle_episodes_expire() -> None:
+    fake = AgentFakeVLLM()
+    app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny",
+                                     episode_ttl_s=5), transport=fake_transport(fake))
+    async with app.router.lifespan_context(app):
+        hub = app.state.hub
+        capture = hub.open()
+        assert hub.expire(now=capture.last_used + 1) == []
+        assert hub.expire(now=capture.last_used + 6) == [capture.episode_id]
+        assert hub.expired == 1 and not hub.episodes
+
+
+def test_rollq_gateway_is_a_command() -> None:
+    args = build_parser().parse_args(["gateway", "--port", "0", "--inference", "http://a:1"])
+    assert args.inference == ["http://a:1"] and args.port == 0
+
+
+async def test_workflow_through_the_in_process_gateway_on_real_workers(
+        redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=True)
+    env = GatewayEpisodeEnv("calc-gw", CalculatorWorkflow(), RECORDS)
+    groups = await run_workers(redis_server.url, real_redis, env, fake, [0, 1])
+    assert sorted(len(g.completions) for g in groups) == [2, 2]
+    for group in groups:
+        assert [c.info["capture"]["calls"] for c in group.completions] == [3, 3]
+        assert all(c.info["env_score"] == 1.0 for c in group.completions)
+    all_runs = sorted(run for g in groups for c in g.completions for run in trainable_runs(c))
+    assert all_runs == sorted(served(r) for r in fake.replies)
+    batch = await score_and_train(real_redis, groups)
+    for group in batch.groups:
+        assert [s.reward for s in group.scores] == [1.0, 1.0]
+    row = batch.input_ids[0][: batch.lengths[0]].tolist()
+    first = batch.groups[0].trajectory
+    assert row == [*first.prompt_ids.tolist(), *first.completions[0].completion_ids.tolist()]
+
+
+async def test_episode_api_agent_on_real_workers_reaches_the_trainer(
+        redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=False)
+    groups = await run_workers(redis_server.url, real_redis, ClientEpisodeEnv(CalculatorEnv()),
+                               fake, [0, 1, 2])
+    assert len(groups) == 3
+    batch = await score_and_train(real_redis, groups)
+    assert len(batch.groups) == 3
+    for scored in batch.groups:
+        for completion in scored.trajectory.completions:
+            assert np.all(completion.logprobs[completion.loss_mask == 0] == 0)
+
+
+@contextlib.asynccontextmanager
+async def served_gateway(fake: AgentFakeVLLM) -> AsyncIterator[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny",
+                                     port=port), transport=fake_transport(fake))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
+                                           access_log=False, lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(20):
+            while not server.started:  # noqa: ASYNC110  uvicorn sets a flag, no event
+                await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def test_remote_gateway_over_real_uvicorn_with_an_agent_that_builds_its_own_client(
+        redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=True)
+    async with served_gateway(fake) as url:
+        env = GatewayEpisodeEnv("calc-remote", CalculatorWorkflow(), RECORDS,
+                                gateway=RemoteGateway(url))
+        # the worker's own pool is unused by a remote gateway; it still needs a server URL
+        groups = await run_workers(redis_server.url, real_redis, env, fake, [0])
+    [group] = groups
+    assert len(group.completions) == 2
+    assert all(c.info["capture"]["calls"] == 3 for c in group.completions)
+    runs = sorted(run for c in group.completions for run in trainable_runs(c))
+    assert runs == sorted(served(r) for r in fake.replies)
