@@ -77,7 +77,7 @@ def episode_sampling(sampling: SamplingParams, episode: int) -> SamplingParams:
     return sampling.model_copy(update={"seed": sampling.seed + episode})
 
 
-class _UpstreamCache:
+class UpstreamCache:
     """One ``Upstream`` per pool (its model name and template probe are learned once)."""
 
     def __init__(self) -> None:
@@ -97,7 +97,7 @@ class ClientEpisodeEnv:
     env: AgentEnv
     tool_parser: str | None = "hermes"
     """How token-in chat replies find tool calls (``capture.toolcalls``)."""
-    _upstreams: _UpstreamCache = field(default_factory=_UpstreamCache, init=False, repr=False)
+    _upstreams: UpstreamCache = field(default_factory=UpstreamCache, init=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -146,7 +146,7 @@ class GatewayEpisodeEnv:
     gateway: EpisodeGateway | None = None
     api_key: str = "rollq"
     tool_parser: str | None = "hermes"
-    _upstreams: _UpstreamCache = field(default_factory=_UpstreamCache, init=False, repr=False)
+    _upstreams: UpstreamCache = field(default_factory=UpstreamCache, init=False, repr=False)
     _local: dict[int, LocalGateway] = field(default_factory=dict, init=False, repr=False)
 
     def __len__(self) -> int:
