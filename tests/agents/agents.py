@@ -42,7 +42,7 @@ def calculate(expression: str) -> str:
 
 
 async def calculator_episode(client: Any, question: str, *, max_calls: int = 4,
-                             scripted_tool_turns: int = 2) -> float:
+                             scripted_tool_turns: int = 2, max_tokens: int = 96) -> float:
     """The agent: asks with the calculator tool, runs the tool calls the model makes and
     appends ``tool`` messages; when the model makes none (a tiny random model never does),
     its script calls the tool itself for the first ``scripted_tool_turns`` turns, so every
@@ -54,7 +54,7 @@ async def calculator_episode(client: Any, question: str, *, max_calls: int = 4,
     content = ""
     for turn in range(max_calls):
         reply = await client.chat.completions.create(
-            model="any-model", messages=messages, tools=[CALCULATOR], max_tokens=96)
+            model="any-model", messages=messages, tools=[CALCULATOR], max_tokens=max_tokens)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         content = message.content or ""
@@ -77,8 +77,9 @@ class CalculatorEnv:
 
     name = "calculator"
 
-    def __init__(self, scripted_tool_turns: int = 2) -> None:
+    def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96) -> None:
         self.scripted_tool_turns = scripted_tool_turns
+        self.max_tokens = max_tokens
 
     def __len__(self) -> int:
         return len(QUESTIONS)
@@ -89,7 +90,8 @@ class CalculatorEnv:
     async def run_episode(self, client: Any, item: Item, *,
                           sampling: SamplingParams) -> EpisodeResult:
         reward = await calculator_episode(client, item.fields["question"],
-                                          scripted_tool_turns=self.scripted_tool_turns)
+                                          scripted_tool_turns=self.scripted_tool_turns,
+                                          max_tokens=self.max_tokens)
         return EpisodeResult(reward=reward, metadata={"question": item.fields["question"]})
 
 
@@ -97,8 +99,9 @@ class CalculatorWorkflow:
     """The same agent as an AReaL-style workflow: its own ``openai.AsyncOpenAI`` on the
     base URL it is given (and the http client, when there is one)."""
 
-    def __init__(self, scripted_tool_turns: int = 2, stream: bool = False) -> None:
+    def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96) -> None:
         self.scripted_tool_turns = scripted_tool_turns
+        self.max_tokens = max_tokens
 
     async def run(self, data: dict[str, Any], *, base_url: str,
                   http_client: httpx.AsyncClient | None = None, api_key: str = "",
@@ -106,7 +109,8 @@ class CalculatorWorkflow:
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none",
                                       http_client=http_client, max_retries=0) as client:
             return await calculator_episode(client, data["question"],
-                                            scripted_tool_turns=self.scripted_tool_turns)
+                                            scripted_tool_turns=self.scripted_tool_turns,
+                                            max_tokens=self.max_tokens)
 
 
 class RewritingEnv:

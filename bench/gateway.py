@@ -1,0 +1,207 @@
+"""Gateway overhead: the same agent workload through ``rollq gateway`` vs straight to vLLM.
+
+    python -m bench.gateway [--episodes 16] [--concurrency 4] [--max-tokens 32] [--runs 3]
+
+A real CPU vLLM server (the tiny model, with ``--enable-auto-tool-choice --tool-call-parser
+hermes`` and a chat template that renders tools) serves a calculator agent written with the
+``openai`` client: 3 chat calls per episode with ``tools``, each reply followed by a ``tool``
+message, ``max_tokens`` tokens per call (``ignore_eos``). ``direct``: the agent's base URL is
+vLLM's. ``gateway``: a ``rollq gateway`` process in front of it; each episode is opened
+(``POST /episodes``), run on its own base URL, and closed (the captured sequences come back).
+Both run back to back ``--runs`` times; the closing lines are the median ratio of completion
+tokens/s (gateway/direct, goal >= 0.9) and the added latency per call (p50/p99 of the
+gateway's call latencies minus the direct ones, medians over runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+
+from bench.common import median_of
+
+TARGET_RATIO = 0.9
+TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
+TEMPLATE = """{%- if tools %}<|im_start|>system
+tools: {% for tool in tools %}{{ tool.function.name }} {% endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "tool" %}<|im_start|>tool
+{{ message.content }}<|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}
+"""
+
+
+@dataclass
+class Run:
+    seconds: float = 0.0
+    tokens: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+async def episode(client: openai.AsyncOpenAI, max_tokens: int, run: Run) -> None:
+    messages: list[Any] = [{"role": "user", "content": "What is 6*7? Use the calculator."}]
+    for turn in range(3):
+        started = time.perf_counter()
+        reply = await client.chat.completions.create(
+            model="rollq-tiny", messages=messages, tools=[TOOL], max_tokens=max_tokens,
+            temperature=1.0, extra_body={"ignore_eos": True})
+        run.latencies.append(time.perf_counter() - started)
+        run.tokens += reply.usage.completion_tokens if reply.usage else 0
+        messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": f"call-{turn}", "content": "42"})
+
+
+async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Namespace) -> Run:
+    run = Run()
+    slots = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(timeout=600) as http:
+
+        async def one() -> None:
+            async with slots:
+                if gateway_url is None:
+                    base = f"{vllm_url}/v1"
+                else:
+                    opened = (await http.post(f"{gateway_url}/episodes")).json()
+                    base = f"{gateway_url}{opened['base_path']}"
+                client = openai.AsyncOpenAI(base_url=base, api_key="x", http_client=http,
+                                            max_retries=0)
+                await episode(client, args.max_tokens, run)
+                if gateway_url is not None:
+                    closed = await http.post(f"{gateway_url}/episodes/{opened['episode_id']}/close")
+                    assert closed.status_code == 200 and closed.json()["sequences"]
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(args.episodes)))
+        run.seconds = time.perf_counter() - started
+    return run
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def start_gateway(vllm_url: str, port: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    command = [sys.executable, "-c", "from ops.cli import main; raise SystemExit(main())",
+               "gateway", "--host", "127.0.0.1", "--port", str(port), "--inference", vllm_url,
+               "--model", "rollq-tiny", "--log-format", "json", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            break
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit(f"gateway did not start:\n{log.read_text()[-2000:]}")
+
+
+async def measure(vllm_url: str, gateway_url: str,
+                  args: argparse.Namespace) -> dict[str, list[Run]]:
+    print(f"{args.episodes} episodes x 3 calls x {args.max_tokens} tokens, concurrency "
+          f"{args.concurrency}, {args.runs} runs; {os.cpu_count()} CPUs", flush=True)
+    await run_workload(vllm_url, None, args)  # warm-up, untimed
+    await run_workload(vllm_url, gateway_url, args)
+    results: dict[str, list[Run]] = {"direct": [], "gateway": []}
+    for number in range(args.runs):
+        for name in ("direct", "gateway"):
+            run = await run_workload(vllm_url, gateway_url if name == "gateway" else None, args)
+            results[name].append(run)
+            print(f"run {number + 1}/{args.runs} {name:7s}: {run.seconds:6.2f} s "
+                  f"{run.tokens:6d} tokens {run.tokens_per_s:7.1f} tokens/s "
+                  f"p50 {percentile(run.latencies, 0.5) * 1000:6.1f} ms "
+                  f"p99 {percentile(run.latencies, 0.99) * 1000:6.1f} ms", flush=True)
+    return results
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
+    from ops.stack import VllmProcess, free_port
+    from ops.tiny_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="rollq-bench-gateway-") as tmp:
+        directory = Path(tmp)
+        model = write_tiny_model(directory / "rollq-tiny", seed=0)
+        (directory / "template.jinja").write_text(TEMPLATE)
+        wrapper = directory / "python-with-tools"  # VllmProcess runs `python -m ... <flags>`
+        wrapper.write_text(f'#!/bin/sh\nexec "{Path(args.vllm_python).absolute()}" "$@" '
+                           f'--enable-auto-tool-choice --tool-call-parser hermes '
+                           f'--chat-template "{directory / "template.jinja"}"\n')
+        wrapper.chmod(0o755)
+        cache = Path(args.vllm_python).absolute().parent.parent / "inductor-cache"
+        vllm = VllmProcess(str(wrapper), model, directory / "vllm.log", max_model_len=1024,
+                           compile_cache=cache)
+        print("== starting the CPU vLLM server with the tiny model ...", flush=True)
+        vllm.start()
+        try:
+            gateway, gateway_url = start_gateway(vllm.url, free_port(),
+                                                 directory / "gateway.log")
+            try:
+                return asyncio.run(measure(vllm.url, gateway_url, args))
+            finally:
+                gateway.terminate()
+                gateway.wait(timeout=30)
+        finally:
+            vllm.stop()
+
+
+def report(results: dict[str, list[Run]]) -> None:
+    pairs = list(zip(results["direct"], results["gateway"], strict=True))
+    ratios = [g.tokens_per_s / d.tokens_per_s for d, g in pairs]
+    added = {q: median_of(percentile(g.latencies, q) - percentile(d.latencies, q)
+                          for d, g in pairs) for q in (0.5, 0.99)}
+    ratio = median_of(ratios)
+    print(f"per-run gateway/direct: {' '.join(f'{r:.2f}' for r in ratios)}; "
+          f"median direct {statistics.median(r.tokens_per_s for r in results['direct']):.1f} "
+          f"tokens/s")
+    print(f"added latency per call: p50 {added[0.5] * 1000:.1f} ms, "
+          f"p99 {added[0.99] * 1000:.1f} ms")
+    verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
+    print(f"ratio {ratio:.2f} (gateway/direct tokens/s, goal >= {TARGET_RATIO}) {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--episodes", type=int, default=16, help="episodes per run (16)")
+    parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (4)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per call (32)")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs of each (3)")
+    parser.add_argument("--vllm-python", default=os.environ.get("ROLLQ_TEST_VLLM_PYTHON"),
+                        help="python of a venv with vLLM [ROLLQ_TEST_VLLM_PYTHON]")
+    args = parser.parse_args(argv)
+    if not args.vllm_python:
+        parser.error("give --vllm-python or set ROLLQ_TEST_VLLM_PYTHON")
+    report(run_bench(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
