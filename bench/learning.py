@@ -181,7 +181,7 @@ async def _bare_loop(model_dir: Path, url: str, weights: Path, options: DemoOpti
                                                         for v in s.components[name]
                                                         if v is not None]))
                                    for name in scores[0].components},
-                    "kl": float(kl), **stats})
+                    "kl": float(kl.detach()), **stats})
                 if step % options.eval_every == 0 or step == options.steps:
                     evaluate()
     return rows, evals

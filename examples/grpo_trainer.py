@@ -207,7 +207,7 @@ def train(args: argparse.Namespace) -> int:
                         tensors["labels"])
                 kl = kl_penalty(logprobs, reference_logprobs, tensors["mask"])
                 loss = loss + args.kl_coef * kl
-                stats["kl"] = float(kl)
+                stats["kl"] = float(kl.detach())
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
