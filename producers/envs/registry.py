@@ -14,6 +14,10 @@ Dataset envs take ``source``, ``split``, ``subset``, ``data_files``, ``mode`` (`
 ``max_guesses``, ``size``, ``first_seed``, ``max_turns``, ``max_completion_tokens``,
 ``system_prompt``.
 
+An env *kind* prefix loads another ecosystem's env through its adapter, when the optional
+package is installed: ``KIND:SPEC`` where ``KIND`` is a key of ``KINDS`` (the adapter is
+imported only when named, so the core never needs the package).
+
 Any other name of the form ``package.module:attribute`` is imported: an ``Env`` instance
 is returned as is; a callable (class or factory) is called with the options. An
 ``AgentEnv`` (episodes that call the model themselves, ``run_episode``) is wrapped in
@@ -76,6 +80,11 @@ BUILTIN: dict[str, Callable[..., Env]] = {
 }
 
 
+KINDS: dict[str, str] = {}
+"""Env kinds by prefix: ``--env KIND:SPEC`` calls the factory at this ``module:attribute``
+path as ``factory(SPEC, **options)``. Adapters for optional packages register here."""
+
+
 def make_env(name: str, **options: Any) -> Env:
     """The env called ``name`` (built-in or ``module:attribute``), built with ``options``.
 
@@ -83,6 +92,9 @@ def make_env(name: str, **options: Any) -> Env:
     """
     if name == "gsm8k":
         options.setdefault("source", sample_path())
+    kind, _, spec = name.partition(":")
+    if kind in KINDS and spec:
+        return _checked(name, _import(KINDS[kind]), options, spec)
     if name in BUILTIN:
         factory: Any = BUILTIN[name]
     elif ":" in name:
@@ -96,8 +108,12 @@ def make_env(name: str, **options: Any) -> Env:
         if options:
             raise ConfigError(f"env {name!r} is an instance and takes no options")
         return factory
+    return _checked(name, factory, options)
+
+
+def _checked(name: str, factory: Any, options: dict[str, Any], *args: Any) -> Env:
     try:
-        env = factory(**options)
+        env = factory(*args, **options)
     except TypeError as exc:
         raise ConfigError(f"bad options for env {name!r}: {exc}") from exc
     if isinstance(env, AgentEnv) and not isinstance(env, Env):
