@@ -151,6 +151,10 @@ class WorkerSettings(CommonSettings):
     job_result_ttl_s: float = Field(default=600.0, gt=0)
     """How long a finished job's id (and arq's result) is kept (seconds); a re-enqueue of
     the same position within it is refused."""
+    max_entry_bytes: int = Field(default=64 * 2**20, ge=1024)
+    """Largest encoded group a worker publishes (bytes: token arrays ~9 B per token, plus
+    text and metadata; 64 MiB holds 16 x 256k tokens); a larger one is dead-lettered as
+    ``entry_too_large`` instead of filling Redis' memory."""
 
 
 class FeederSettings(CommonSettings):

@@ -12,7 +12,15 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from schemas import BrokerUnavailable, DeadLetter, TrajectoryGroup, encode, encode_dead
+from schemas import (
+    BrokerUnavailable,
+    ContractError,
+    DeadLetter,
+    TrajectoryGroup,
+    encode,
+    encode_dead,
+)
+from schemas.failures import ENTRY_TOO_LARGE
 from schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
@@ -25,15 +33,30 @@ from schemas.keys import (
 )
 
 
-class Publisher:
-    """Publishes trajectory groups of one run."""
+class EntryTooLarge(ContractError):
+    """A group's encoded entry is above ``max_entry_bytes``: dead-lettered at once as
+    ``entry_too_large`` (``schemas.failures``), never XADDed."""
 
-    def __init__(self, redis: aioredis.Redis, run: str, partitions: int = 1) -> None:
+    reason = ENTRY_TOO_LARGE
+
+
+class Publisher:
+    """Publishes trajectory groups of one run.
+
+    ``max_entry_bytes`` caps one encoded group (field names + values, as Redis stores
+    them); a larger one raises ``EntryTooLarge`` before anything is written. None: no cap.
+    """
+
+    def __init__(self, redis: aioredis.Redis, run: str, partitions: int = 1, *,
+                 max_entry_bytes: int | None = None) -> None:
         if partitions < 1:
             raise ValueError("partitions must be at least 1")
+        if max_entry_bytes is not None and max_entry_bytes < 1:
+            raise ValueError("max_entry_bytes must be at least 1 or None")
         self.redis = redis
         self.run = check_run_name(run)
         self.partitions = partitions
+        self.max_entry_bytes = max_entry_bytes
         self._registered = False
 
     async def register(self) -> int:
@@ -60,6 +83,13 @@ class Publisher:
             await self.register()
         key = stream_key(self.run, partition_of(group.group_id, self.partitions), "traj")
         fields = encode(group)
+        if self.max_entry_bytes is not None:
+            size = sum(len(name) + len(value) for name, value in fields.items())
+            if size > self.max_entry_bytes:
+                raise EntryTooLarge(
+                    f"group {group.group_id}: its entry is {size:,} bytes ({group.num_tokens:,} "
+                    f"tokens in {len(group.completions)} completions), above max_entry_bytes "
+                    f"{self.max_entry_bytes:,}")
         try:
             entry_id = await self.redis.xadd(key, fields)  # type: ignore[arg-type]
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:

@@ -227,6 +227,7 @@ def build_worker(
     retry_base_s: float = 1.0,
     result_ttl_s: float = 600.0,
     timeout_margin_s: float = TIMEOUT_MARGIN_S,
+    max_entry_bytes: int | None = None,
     redis_options: Mapping[str, Any] | None = None,
     transport: Any = None,
 ) -> Worker:
@@ -237,7 +238,7 @@ def build_worker(
         if "runner" in ctx:  # arq runs on_startup on every main(); keep the first clients
             return
         redis = aioredis.Redis.from_url(redis_url, **(redis_options or {}))
-        publisher = Publisher(redis, run, partitions)
+        publisher = Publisher(redis, run, partitions, max_entry_bytes=max_entry_bytes)
         try:  # Redis first: a failed start-up (Redis away) leaves nothing open behind
             await publisher.register()
         except BaseException:

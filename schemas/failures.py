@@ -56,6 +56,9 @@ BROKER_UNAVAILABLE = "broker_unavailable"
 """Redis failed on every try of a unit of work."""
 JOB_TIMEOUT = "job_timeout"
 """A rollout job ran past its timeout on every try (or its worker was killed each time)."""
+ENTRY_TOO_LARGE = "entry_too_large"
+"""A group's encoded entry is above the publisher's ``max_entry_bytes`` (never retried: the
+same rollout would be as large again)."""
 UNEXPECTED_ERROR = "unexpected_error"
 """Anything else: a bug in rollq, an env or a component; the detail holds the exception."""
 
