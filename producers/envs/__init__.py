@@ -5,7 +5,8 @@
 - ``multiturn``: the ``MultiTurnEnv`` protocol and the token-in/token-out bridge;
   ``observations``: how env observations become tokens; ``guess``: a real multi-turn env;
   ``adapters``: gem and SkyRL-gym envs as ``MultiTurnEnv``.
-- ``registry``: ``make_env(name, **options)`` for the CLI.
+- ``registry``: ``make_env(name, **options)`` for the CLI; ``kinds``: other ecosystems'
+  envs by name (``gem:ID``, ``skyrl:ID``, ``areal:MODULE:ATTRIBUTE``).
 """
 
 from producers.envs.adapters import GemAdapter, SkyRLGymAdapter
@@ -27,9 +28,11 @@ from producers.envs.multiturn import (
     EpisodeEnv,
     EpisodeRunner,
     MultiTurnEnv,
+    RecordEpisodeEnv,
     StepResult,
     SyncEnvAdapter,
     SyncMultiTurnEnv,
+    TruncatedTurn,
 )
 from producers.envs.observations import (
     ChatTemplateDelta,
@@ -55,6 +58,7 @@ __all__ = [
     "ObservationEncoder",
     "PolicyVersion",
     "PromptStyle",
+    "RecordEpisodeEnv",
     "RecordFormat",
     "Rollout",
     "SkyRLGymAdapter",
@@ -62,6 +66,7 @@ __all__ = [
     "SyncEnvAdapter",
     "SyncMultiTurnEnv",
     "TextTemplate",
+    "TruncatedTurn",
     "gsm8k_env",
     "last_boxed",
     "load_records",

@@ -20,15 +20,36 @@ It stops on ``terminated``/``truncated``, after ``max_turns`` model turns, or wh
 token budget is spent: ``max_completion_tokens`` over the episode, and the server's context
 length (prompt + completion <= ``max_model_len``). ``SamplingParams.max_tokens`` bounds
 each turn. ``EpisodeEnv`` makes an ``Env`` of it: a group is N independent episodes from the
-same ``reset(seed)`` (same prompt ids), run concurrently.
+same ``reset(seed)`` (same prompt ids), run concurrently; ``RecordEpisodeEnv`` does the same
+over a dataset whose rows build the env (SkyRL-gym).
+
+**A turn cut short** (the server's ``finish_reason`` is ``length``: the turn's
+``max_tokens``, the episode's budget or the context ran out mid-reply) follows
+``truncated_turn``:
+
+- ``end_episode`` (default): the episode ends there and the unfinished reply is not sent to
+  the env. Its tokens stay in the sequence (trainable, ``finish_reason`` ``length``,
+  ``info["stop"]`` ``truncated_turn``), so length-aware rewards (``soft_overlong``) or a
+  trainer's overlong filter can see it; the env is never asked to judge text the model did
+  not finish (gem scores a cut ``\\boxed{`` as a format error, or acts on a half-written
+  action).
+- ``end_with_penalty``: the same, and ``truncated_turn_penalty`` is the turn's reward (so it
+  counts in the episode's return).
+- ``send``: the reply goes to the env as it is (the behaviour before this setting).
+
+``Completion.info`` of an episode: ``turns`` (model turns), ``stop`` (``terminated``,
+``truncated``, ``max_turns``, ``max_tokens`` or ``truncated_turn``), ``env_info`` (the last
+step's info), and ``env_return``: the undiscounted sum of the turn rewards (what the
+``env_return`` reward component scores); the rewards one by one are
+``Completion.turn_rewards``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from producers.envs.base import Item, PolicyVersion, Rollout
 from producers.envs.observations import (
@@ -43,6 +64,9 @@ from schemas import Completion, ConfigError, ContractError
 
 StepResult = tuple[Observation, float, bool, bool, dict[str, Any]]
 """``(observation, reward, terminated, truncated, info)``, as in gymnasium."""
+
+TruncatedTurn = Literal["end_episode", "end_with_penalty", "send"]
+"""What the bridge does with a turn cut short by a token limit (module docstring)."""
 
 
 class MultiTurnEnv(Protocol):
@@ -90,12 +114,24 @@ class EpisodeRunner:
     - ``max_turns``: most model turns per episode.
     - ``max_completion_tokens``: most tokens after the prompt (model and env), None for
       only the context length.
+    - ``truncated_turn``: the policy for a turn cut short by a token limit (module
+      docstring); ``truncated_turn_penalty``: that turn's reward under ``end_with_penalty``
+      (in the env's reward units).
     """
 
     system_prompt: str | None = None
     observations: ObservationEncoder = field(default_factory=ChatTemplateDelta)
     max_turns: int = 8
     max_completion_tokens: int | None = None
+    truncated_turn: TruncatedTurn = "end_episode"
+    truncated_turn_penalty: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.truncated_turn not in ("end_episode", "end_with_penalty", "send"):
+            raise ConfigError(f"truncated_turn {self.truncated_turn!r}: choose end_episode, "
+                              "end_with_penalty or send")
+        if self.max_turns < 1:
+            raise ConfigError(f"max_turns must be at least 1 (got {self.max_turns})")
 
     def prompt_messages(self, observation: Observation) -> list[Message]:
         """The chat prompt of an episode starting with ``observation``."""
@@ -120,7 +156,7 @@ class EpisodeRunner:
         rewards: list[float] = []
         messages: list[Message] = []
         texts: list[str] = []
-        finish_reason, stop = "", "max_turns"
+        finish_reason, stop, turns = "", "max_turns", 0
         info: dict[str, Any] = {}
         for turn in range(self.max_turns):
             room = [r for r in (None if budget is None else budget - len(ids),
@@ -137,6 +173,7 @@ class EpisodeRunner:
                     raise
                 stop = "max_tokens"
                 break
+            turns += 1
             ids += sample.completion_ids
             logprobs += sample.logprobs
             mask += [1] * len(sample.completion_ids)
@@ -144,6 +181,11 @@ class EpisodeRunner:
             finish_reason = sample.finish_reason
             messages.append({"role": "assistant", "content": sample.text})
             texts.append(sample.text)
+            if sample.finish_reason == "length" and self.truncated_turn != "send":
+                if self.truncated_turn == "end_with_penalty":
+                    rewards.append(self.truncated_turn_penalty)
+                stop = "truncated_turn"
+                break
             observation, reward, terminated, truncated, info = await env.step(sample.text)
             rewards.append(float(reward))
             if terminated or truncated:
@@ -170,7 +212,8 @@ class EpisodeRunner:
             token_versions=versions if len(set(versions)) > 1 else None,
             finish_reason=finish_reason, text="\n".join(texts), messages=messages,
             turn_rewards=rewards,
-            info={"turns": len(rewards), "stop": stop, "env_info": info},
+            info={"turns": turns, "stop": stop, "env_info": info,
+                  "env_return": sum(rewards)},
         )
 
 
@@ -199,18 +242,52 @@ class EpisodeEnv:
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
         seed = int(item.fields["seed"])
-        envs = [self.make_env() for _ in range(group_size)]
-        observations = [await env.reset(seed) for env in envs]
-        if any(observation != observations[0] for observation in observations):
-            raise ConfigError(f"env {self.name!r}: reset(seed={seed}) is not deterministic")
-        messages = self.runner.prompt_messages(observations[0])
-        prompt_ids = await pool.tokenize(messages=messages, add_generation_prompt=True)
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self.runner.run(
-                env, pool, prompt_ids, policy_version=policy_version,
-                sampling=sampling if sampling.seed is None else
-                sampling.model_copy(update={"seed": sampling.seed + episode})))
-                for episode, env in enumerate(envs)]
-        return Rollout(prompt_ids=prompt_ids, completions=[task.result() for task in tasks],
-                       prompt_text=observation_text(observations[0]),
-                       prompt_messages=messages, metadata={"seed": seed})
+        return await play_group(self.name, self.runner, [self.make_env() for _ in range(
+            group_size)], seed, pool, sampling=sampling, policy_version=policy_version)
+
+
+@dataclass
+class RecordEpisodeEnv:
+    """An ``Env`` of multi-turn episodes over a dataset: item ``i`` is ``records[i]``.
+
+    ``make_env(record)`` builds a fresh ``MultiTurnEnv`` per episode from the item's row
+    (SkyRL-gym envs take their task that way); every episode is reset with ``seed=i``.
+    """
+
+    name: str
+    records: Sequence[dict[str, Any]]
+    make_env: Callable[[dict[str, Any]], MultiTurnEnv]
+    runner: EpisodeRunner = field(default_factory=EpisodeRunner)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def item(self, index: int) -> Item:
+        return Item(index=index, fields=dict(self.records[index]))
+
+    async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
+                      sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
+        envs = [self.make_env(dict(item.fields)) for _ in range(group_size)]
+        return await play_group(self.name, self.runner, envs, item.index, pool,
+                                sampling=sampling, policy_version=policy_version)
+
+
+async def play_group(name: str, runner: EpisodeRunner, envs: list[MultiTurnEnv], seed: int,
+                     pool: InferencePool, *, sampling: SamplingParams,
+                     policy_version: PolicyVersion) -> Rollout:
+    """One group: every env reset with ``seed`` (they must agree), then one episode each,
+    concurrently; episode ``j`` samples with ``sampling.seed + j`` when a seed is set."""
+    observations = [await env.reset(seed) for env in envs]
+    if any(observation != observations[0] for observation in observations):
+        raise ConfigError(f"env {name!r}: reset(seed={seed}) is not deterministic")
+    messages = runner.prompt_messages(observations[0])
+    prompt_ids = await pool.tokenize(messages=messages, add_generation_prompt=True)
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(runner.run(
+            env, pool, prompt_ids, policy_version=policy_version,
+            sampling=sampling if sampling.seed is None else
+            sampling.model_copy(update={"seed": sampling.seed + episode})))
+            for episode, env in enumerate(envs)]
+    return Rollout(prompt_ids=prompt_ids, completions=[task.result() for task in tasks],
+                   prompt_text=observation_text(observations[0]),
+                   prompt_messages=messages, metadata={"seed": seed})

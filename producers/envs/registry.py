@@ -8,11 +8,13 @@ Built-in names:
 - ``guess``: the number-guessing game (``producers.envs.guess``) as an ``EpisodeEnv``.
 - ``sums``: single-digit sums (``producers.envs.sums``); ``split`` is ``train`` (default),
   ``heldout`` or ``all``; ``source`` defaults to the shipped ``sums.jsonl``.
+- ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``areal:MODULE:ATTRIBUTE``: other ecosystems' envs
+  (``producers.envs.kinds``).
 
 Dataset envs take ``source``, ``split``, ``subset``, ``data_files``, ``mode`` (``chat`` or
 ``completion``), ``template``, ``system_prompt``. ``guess`` takes ``low``, ``high``,
 ``max_guesses``, ``size``, ``first_seed``, ``max_turns``, ``max_completion_tokens``,
-``system_prompt``.
+``system_prompt``, ``truncated_turn``, ``truncated_turn_penalty``.
 
 An env *kind* prefix loads another ecosystem's env through its adapter, when the optional
 package is installed: ``KIND:SPEC`` where ``KIND`` is a key of ``KINDS`` (the adapter is
@@ -35,7 +37,7 @@ from producers.envs.base import AgentEnv, Env
 from producers.envs.dataset import PromptStyle, gsm8k_env, math_env
 from producers.envs.episode import ClientEpisodeEnv
 from producers.envs.guess import GuessGame
-from producers.envs.multiturn import EpisodeEnv, EpisodeRunner
+from producers.envs.multiturn import EpisodeEnv, EpisodeRunner, TruncatedTurn
 from producers.envs.sums import sums_env
 from schemas import ConfigError
 
@@ -60,9 +62,13 @@ def _dataset(build: Callable[..., Env], default_source: str | None) -> Callable[
 
 def _guess(*, low: int = 1, high: int = 16, max_guesses: int = 6, size: int = 1000,
            first_seed: int = 0, max_turns: int | None = None,
-           max_completion_tokens: int | None = None, system_prompt: str | None = None) -> Env:
+           max_completion_tokens: int | None = None, system_prompt: str | None = None,
+           truncated_turn: TruncatedTurn = "end_episode",
+           truncated_turn_penalty: float = -1.0) -> Env:
     runner = EpisodeRunner(system_prompt=system_prompt, max_turns=max_turns or max_guesses,
-                           max_completion_tokens=max_completion_tokens)
+                           max_completion_tokens=max_completion_tokens,
+                           truncated_turn=truncated_turn,
+                           truncated_turn_penalty=truncated_turn_penalty)
     return EpisodeEnv(name="guess", make_env=lambda: GuessGame(low, high, max_guesses),
                       size=size, first_seed=first_seed, runner=runner)
 
@@ -80,7 +86,11 @@ BUILTIN: dict[str, Callable[..., Env]] = {
 }
 
 
-KINDS: dict[str, str] = {}
+KINDS: dict[str, str] = {
+    "gem": "producers.envs.kinds:gem_env",  # gem:ENV_ID (extra gem)
+    "skyrl": "producers.envs.kinds:skyrl_env",  # skyrl:ENV_ID (extra skyrl)
+    "areal": "producers.envs.kinds:areal_env",  # areal:MODULE:ATTRIBUTE
+}
 """Env kinds by prefix: ``--env KIND:SPEC`` calls the factory at this ``module:attribute``
 path as ``factory(SPEC, **options)``. Adapters for optional packages register here."""
 

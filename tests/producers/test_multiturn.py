@@ -16,6 +16,7 @@ from producers.envs import (
     StepResult,
     SyncEnvAdapter,
     TextTemplate,
+    TruncatedTurn,
 )
 from producers.envs.observations import close_turn
 from producers.inference import InferencePool, SamplingParams
@@ -166,7 +167,7 @@ async def test_text_template_observations_and_length_cut_turns() -> None:
     fake = FakeVLLM()
     fake.responder = lambda prompt, index: "a long reply without a number"
     runner = EpisodeRunner(max_turns=2, observations=TextTemplate(
-        "[user]{observation}[assistant]", turn_end="<E>"))
+        "[user]{observation}[assistant]", turn_end="<E>"), truncated_turn="send")
     game = GuessGame()
     async with pool_of(fake) as pool:
         prompt_ids = await pool.tokenize(prompt="start")
@@ -179,6 +180,40 @@ async def test_text_template_observations_and_length_cut_turns() -> None:
     observation = "Please reply with a number between 1 and 16."
     env_ids = encode_text("<E>") + encode_text(f"[user]{observation}[assistant]")
     assert ids[5:5 + len(env_ids)] == env_ids
+
+
+@pytest.mark.parametrize(("policy", "rewards"), [("end_episode", []),
+                                                 ("end_with_penalty", [-0.5])])
+async def test_a_length_cut_turn_ends_the_episode_unsent(policy: TruncatedTurn,
+                                                         rewards: list[float]) -> None:
+    fake = FakeVLLM()
+    fake.responder = lambda prompt, index: "a long reply" if "wrong" in prompt else "7"
+    steps: list[str] = []
+
+    class Recording(GuessGame):
+        async def step(self, action: str) -> StepResult:
+            steps.append(action)
+            return await super().step(action)
+
+    game = Recording(max_guesses=9)
+    runner = EpisodeRunner(max_turns=4, truncated_turn=policy, truncated_turn_penalty=-0.5)
+    async with pool_of(fake) as pool:
+        prompt_ids = await pool.tokenize(prompt="start")
+        await game.reset(3)  # the secret is 8: the first turn ("7") is a wrong guess
+        first = await runner.run(game, pool, prompt_ids, sampling=SamplingParams(max_tokens=5),
+                                 policy_version=Versions(0))
+        fake.responder = lambda prompt, index: "a long reply"
+        await game.reset(3)
+        steps.clear()
+        cut = await runner.run(game, pool, prompt_ids, sampling=SamplingParams(max_tokens=5),
+                               policy_version=Versions(0))
+    assert first.info["stop"] == "truncated_turn" and first.info["turns"] == 2
+    assert first.turn_rewards == [0.0, *rewards]
+    assert first.info["env_return"] == sum(rewards) and first.finish_reason == "length"
+    assert first.loss_mask[-1] == 1  # the cut reply stays, trainable; no observation after
+    assert steps == [] and cut.info["turns"] == 1 and cut.turn_rewards == rewards
+    with pytest.raises(ConfigError):
+        EpisodeRunner(truncated_turn="drop")  # type: ignore[arg-type]
 
 
 def test_close_turn_appends_only_what_the_model_did_not_emit() -> None:

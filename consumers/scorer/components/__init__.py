@@ -15,6 +15,7 @@ from consumers.scorer.components.base import (
 )
 from consumers.scorer.components.char_fraction import CharFraction
 from consumers.scorer.components.code import CodeExecution
+from consumers.scorer.components.env_return import EnvReturn
 from consumers.scorer.components.env_score import EnvScore
 from consumers.scorer.components.format import (
     Format,
@@ -54,6 +55,7 @@ COMPONENTS: dict[str, type[RewardComponent[Any]]] = {
     "char_fraction": CharFraction,
     "code": CodeExecution,
     "env_score": EnvScore,
+    "env_return": EnvReturn,
 }
 """Built-in component type names, as written in a config's `component` field."""
 
@@ -87,6 +89,7 @@ __all__ = [
     "ComponentSettings",
     "Cosine",
     "CosineSettings",
+    "EnvReturn",
     "Format",
     "FormatMarkers",
     "FormatMarkersSettings",
