@@ -45,10 +45,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
 
 from schemas import (
     BrokerUnavailable,
@@ -178,6 +179,9 @@ class ReaderSettings:
     """Deliveries after which an entry is dead-lettered instead of processed again."""
     max_backoff_s: float = 1.0
     """Longest sleep after empty reads (clients and fakes that do not honour BLOCK)."""
+    slot_block_ms: int = 50
+    """On a Redis Cluster: how long each round of per-partition blocking reads waits
+    (milliseconds): the most a new entry waits while the reader blocks (see ``_read_slots``)."""
 
 
 @dataclass(frozen=True)
@@ -283,13 +287,16 @@ class StreamReader:
             block = self.settings.block_ms if block is None else block
         async with translated_errors("reading"):
             try:
-                reply = await self.redis.xreadgroup(
-                    self.group,
-                    self.consumer,
-                    dict.fromkeys(self.streams, start),
-                    count=count,
-                    block=block if block else None,
-                )
+                if is_cluster(self.redis) and len(self.streams) > 1:
+                    reply = await self._read_slots(start, count, block or 0)
+                else:
+                    reply = await self.redis.xreadgroup(
+                        self.group,
+                        self.consumer,
+                        dict.fromkeys(self.streams, start),
+                        count=count,
+                        block=block if block else None,
+                    )
             except redis_errors.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
@@ -305,6 +312,48 @@ class StreamReader:
                     counts = await self._delivery_counts(name, [i for i, _ in entries])
             deliveries += [Delivery(name, i, f, counts.get(i, 1)) for i, f in entries]
         return await self._screened(deliveries)
+
+    async def _read_slots(self, start: str, count: int, block_ms: int) -> list[Any]:
+        """XREADGROUP on a Redis Cluster, where each partition's stream has a slot of its
+        own and one command may not span slots.
+
+        First one pipelined non-blocking read per partition (the cluster client sends each
+        master its share at once: one round trip per master), ``ceil(count / partitions)``
+        each; when that leaves the batch short and some partition had more, the rest is
+        read from those partitions in turn. Only when every partition is empty do the
+        reads block: all partitions at once, ``slot_block_ms`` at a time, until ``block_ms``
+        is spent or entries come (a new entry waits at most ``slot_block_ms``). A read may
+        return up to ``partitions - 1`` entries above ``count`` (the shares round up)."""
+        share = -(-count // len(self.streams))
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self.streams:
+            pipe.xreadgroup(self.group, self.consumer, {stream: start}, count=share)
+        reply: list[Any] = []
+        full: list[str] = []
+        for stream, found in zip(self.streams, await pipe.execute(), strict=True):
+            reply += found or []
+            if found and len(found[0][1]) >= share:
+                full.append(stream)
+        taken = sum(len(entries) for _, entries in reply)
+        for stream in full:
+            if taken >= count or start != ">":  # a re-read from "0" would repeat its entries
+                break
+            more = await self.redis.xreadgroup(self.group, self.consumer, {stream: start},
+                                               count=count - taken)
+            reply += more or []
+            taken += sum(len(entries) for _, entries in more or [])
+        if reply or not block_ms:
+            return reply
+        deadline = time.monotonic() + block_ms / 1000
+        while not reply:
+            wait_ms = int(min(self.settings.slot_block_ms, (deadline - time.monotonic()) * 1000))
+            if wait_ms <= 0:
+                break
+            found_each = await asyncio.gather(*(
+                self.redis.xreadgroup(self.group, self.consumer, {stream: start}, count=share,
+                                      block=wait_ms) for stream in self.streams))
+            reply = [item for found in found_each for item in found or []]
+        return reply
 
     async def _screened(self, deliveries: list[Delivery]) -> list[Delivery]:
         """The deliveries that may be processed. Dead-lettered and left out: those delivered
@@ -427,17 +476,14 @@ class StreamReader:
         by_stream: dict[str, list[int]] = {}
         for index, (delivery, _) in enumerate(items):
             by_stream.setdefault(delivery.stream, []).append(index)
+        # One MULTI for all partitions on one server; on a cluster one per partition (a
+        # transaction keeps to one slot), all at once.
+        batches = ([by_stream] if not is_cluster(self.redis)
+                   else [{stream: indices} for stream, indices in by_stream.items()])
         async with translated_errors("forwarding"):
-            pipe = self.redis.pipeline(transaction=True)
-            for stream, indices in by_stream.items():
-                target = partner_key(stream, destination)
-                for index in indices:
-                    pipe.xadd(target, items[index][1])  # type: ignore[arg-type]
-                # EVAL, not EVALSHA: a NOSCRIPT error inside MULTI would leave the copies
-                # added, and checking with SCRIPT EXISTS first costs a round trip per call.
-                pipe.eval(_ACK_OR_UNDO, 3, stream, target, partner_key(stream, "counters"),
-                          self.group, counter, *(items[i][0].entry_id for i in indices))
-            replies = await pipe.execute()
+            replies = [reply for replies in await asyncio.gather(*(
+                self._forward_transaction(items, batch, destination, counter)
+                for batch in batches)) for reply in replies]
         results: list[str | None] = [None] * len(items)
         position = 0
         for indices in by_stream.values():
@@ -447,6 +493,20 @@ class StreamReader:
                     results[index] = _id(replies[position + offset])
             position += len(indices) + 1
         return results
+
+    async def _forward_transaction(self, items: Sequence[tuple[Delivery, Fields]],
+                                   by_stream: dict[str, list[int]], destination: str,
+                                   counter: str) -> list[Any]:
+        pipe = self.redis.pipeline(transaction=True)
+        for stream, indices in by_stream.items():
+            target = partner_key(stream, destination)
+            for index in indices:
+                pipe.xadd(target, items[index][1])  # type: ignore[arg-type]
+            # EVAL, not EVALSHA: a NOSCRIPT error inside MULTI would leave the copies
+            # added, and checking with SCRIPT EXISTS first costs a round trip per call.
+            pipe.eval(_ACK_OR_UNDO, 3, stream, target, partner_key(stream, "counters"),
+                      self.group, counter, *(items[i][0].entry_id for i in indices))
+        return list(await pipe.execute())
 
     async def drop(self, deliveries: Sequence[Delivery], reason: str) -> int:
         """Ack entries that will not be used and count them under ``drop:<reason>``."""
@@ -586,8 +646,14 @@ async def follow(
     handled = 0
     while not (stop and stop.is_set()) and (limit is None or handled < limit):
         async with translated_errors("following"):
-            # redis-py types the dict invariantly over bytes | str keys
-            reply = await redis.xread(cursors, count=100, block=block_ms)  # type: ignore[arg-type]
+            if is_cluster(redis) and len(cursors) > 1:  # one slot per command: per stream
+                found_each = await asyncio.gather(*(
+                    redis.xread({stream: cursor}, count=100, block=min(block_ms, 50) or None)
+                    for stream, cursor in cursors.items()))
+                reply = [item for found in found_each for item in found or []]
+            else:
+                # redis-py types the dict invariantly over bytes | str keys
+                reply = await redis.xread(cursors, count=100, block=block_ms)  # type: ignore[arg-type]
         if not reply:
             await asyncio.sleep(0.01)  # fakeredis returns at once
         for stream, entries in reply or []:
@@ -675,6 +741,12 @@ async def stream_stats(redis: aioredis.Redis, key: str) -> StreamStats | None:
         last_id=_id(last[0]) if last else None,
         groups=groups,
     )
+
+
+def is_cluster(redis: object) -> bool:
+    """Whether ``redis`` is a Redis Cluster client (each partition then has a slot of its
+    own, and no command or transaction may span partitions)."""
+    return isinstance(redis, RedisCluster)
 
 
 def is_entry_id(text: str) -> bool:

@@ -47,10 +47,13 @@ def _status_args(parser: argparse.ArgumentParser) -> None:
 
 
 async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from ops.connections import is_cluster_url, open_queue_redis
     from ops.roles import stop_on_signals
 
     settings: CommonSettings = settings_for(CommonSettings, args, environ)
     redis = redis_client(settings)
+    # arq's queue (jobs in flight) is on the control plane when the data is on a cluster
+    queue = open_queue_redis(settings) if is_cluster_url(settings.redis_url) else None
     stop = stop_on_signals() if args.watch else asyncio.Event()
     try:
         previous = None
@@ -59,7 +62,8 @@ async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
                             what="status", log=structlog.get_logger("rollq.status"))
         while True:
             try:
-                current = await rider.call(lambda: collect_status(redis, settings.run))
+                current = await rider.call(lambda: collect_status(redis, settings.run,
+                                                                  queue=queue))
             except RunNotFound:
                 return _not_found(settings.run, await known_runs(redis))
             if args.json:
@@ -76,6 +80,8 @@ async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
             print()
     finally:
         await redis.aclose()
+        if queue is not None:
+            await queue.aclose()
 
 
 # -- tail -----------------------------------------------------------------------------------

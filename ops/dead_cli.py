@@ -14,7 +14,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ops.cli import Exit, add_common_flags, redis_client, settings_for
-from ops.connections import redis_options
+from ops.connections import queue_options, queue_url
 from ops.dead import (
     DEDUP_WINDOW_S,
     Letter,
@@ -149,7 +149,7 @@ async def _requeue(redis: aioredis.Redis, settings: CommonSettings,
                                partition=args.partition, newest_first=False)
     window = None if args.force else args.dedup_window_s
     if not chosen or args.dry_run:
-        outcomes = await requeue(redis, settings.redis_url, run, chosen, dedup_window_s=window,
+        outcomes = await requeue(redis, queue_url(settings), run, chosen, dedup_window_s=window,
                                  dry_run=True)
         _print_outcomes(outcomes, args.json, "dry run, nothing changed: " if chosen else "")
         return int(Exit.OK)
@@ -164,7 +164,7 @@ async def _requeue(redis: aioredis.Redis, settings: CommonSettings,
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing requeued")
             return int(Exit.OK)
-    outcomes = await requeue(redis, settings.redis_url, run, chosen, redis_options(settings),
+    outcomes = await requeue(redis, queue_url(settings), run, chosen, queue_options(settings),
                              dedup_window_s=window)
     _print_outcomes(outcomes, args.json)
     return int(Exit.OK)

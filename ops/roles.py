@@ -29,7 +29,7 @@ from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
 from consumers.trainer.client import TRAINER_GROUP
-from ops.connections import open_redis, redis_options
+from ops.connections import open_redis, queue_options, queue_url, redis_options
 from ops.looplag import LoopLagMonitor
 from ops.settings import (
     CommonSettings,
@@ -225,13 +225,14 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
                               max_tokens=settings.max_tokens)
     worker = build_worker(
-        redis_url=settings.redis_url, run=settings.run,
+        redis_url=queue_url(settings), run=settings.run,
         env_factory=env_factory(settings.env, settings.env_options),
         inference_urls=settings.inference, model=settings.model or None, sampling=sampling,
+        open_data=lambda: open_redis(settings),
         group_size=settings.group_size, concurrency=settings.concurrency,
         job_timeout_s=settings.job_timeout_s, max_tries=settings.max_tries,
         request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
-        result_ttl_s=settings.job_result_ttl_s, redis_options=redis_options(settings),
+        result_ttl_s=settings.job_result_ttl_s, redis_options=queue_options(settings),
         max_entry_bytes=settings.max_entry_bytes,
         grace_s=settings.grace_s,
         burst=burst, transport=transport,
@@ -295,7 +296,7 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
     """Admit rollout jobs until every epoch is admitted or ``stop`` is set."""
     env = make_env(settings.env, **settings.env_options)
     redis = open_redis(settings)
-    queue = await connect_queue(settings.redis_url, redis_options(settings))
+    queue = await connect_queue(queue_url(settings), queue_options(settings))
     try:
         await _partitions(redis, settings.run, settings.partitions)
         plan = FeedPlan(dataset_size=len(env), epochs=settings.epochs,

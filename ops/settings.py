@@ -38,7 +38,16 @@ class CommonSettings(BaseModel):
     section: str = Field(default="", exclude=True, repr=False)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    """Where the Redis server is (``redis://host:port/db``)."""
+    """The data plane: one Redis server (``redis://host:port/db``, ``rediss://`` for TLS) or
+    any node of a Redis Cluster (``redis+cluster://host:port``, ``rediss+cluster://``)."""
+    queue_url: str | None = None
+    """The control plane (arq's job queue): one Redis server; default ``redis_url``, which
+    must then not be a cluster."""
+    wait_replicas: int = Field(default=0, ge=0)
+    """On a cluster: replicas that must acknowledge every write (``WAIT``) before it counts
+    as done, so a failover cannot lose it; 0: asynchronous replication."""
+    wait_timeout_ms: int = Field(default=1000, ge=1)
+    """How long a write waits for ``wait_replicas`` (milliseconds) before it is retried."""
     run: str = "default"
     """The run: a namespace for streams, counters and the policy version."""
     partitions: int = Field(default=1, ge=1, le=1024)
@@ -66,9 +75,11 @@ class CommonSettings(BaseModel):
     def _valid_run(cls, value: str) -> str:
         return check_run_name(value)
 
-    @field_validator("redis_url")
+    @field_validator("redis_url", "queue_url")
     @classmethod
-    def _valid_redis_url(cls, value: str) -> str:
+    def _valid_redis_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         scheme = urlsplit(value).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(f"{redact_url(value)!r} is not a Redis URL: it must start with "
@@ -77,7 +88,7 @@ class CommonSettings(BaseModel):
         return value
 
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def redact_url(url: str) -> str:

@@ -97,8 +97,10 @@ async def known_runs(redis: aioredis.Redis) -> list[str]:
         return sorted(r.decode() for r in await redis.smembers(RUNS_KEY))
 
 
-async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 64) -> RunStatus:
-    """Gather a run's status; raises ``RunNotFound`` when the run does not exist."""
+async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 64, *,
+                         queue: aioredis.Redis | None = None) -> RunStatus:
+    """Gather a run's status; raises ``RunNotFound`` when the run does not exist.
+    ``queue``: the control plane holding arq's queue, when it is not ``redis``."""
     async with translated_errors("reading run state"):
         state = await redis.hgetall(state_key(run))
     if not state:
@@ -125,7 +127,7 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
                 continue
     admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
     async with translated_errors("reading the job queue"):
-        jobs = int(await redis.zcard(queue_name(run)))
+        jobs = int(await (queue or redis).zcard(queue_name(run)))
     return RunStatus(
         run=run,
         partitions=partitions,

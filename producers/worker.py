@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -124,6 +126,13 @@ TIMEOUT_MARGIN_S = 5.0
 default; ``build_worker(timeout_margin_s=)``): time enough to write a dead letter."""
 EXTRA_TRIES = 5
 """arq's ``max_tries`` is this much above rollq's (see the module docstring)."""
+PUBLISHED, DEAD_LETTERED = "rollq_groups_published", "rollq_groups_dead_lettered"
+"""Keys of the worker's ``ctx``: jobs that ended in a published group, in a dead letter."""
+HEALTH_KEY = "workers:health:"
+"""``run_key(run, HEALTH_KEY + name)``: arq's health record of one worker process,
+``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
+``HEALTH_INTERVAL_S`` and expiring a second later (``ops.health`` reads them)."""
+HEALTH_INTERVAL_S = 10
 
 
 async def _rollout(ctx: dict[str, Any], position: int) -> str:
@@ -145,7 +154,9 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
             deadline = asyncio.timeout(timeout_s)
             try:
                 async with deadline:
-                    return await runner.run_job(group_id, position)
+                    entry_id = await runner.run_job(group_id, position)
+                ctx[PUBLISHED] = ctx.get(PUBLISHED, 0) + 1
+                return entry_id
             except asyncio.CancelledError:
                 # A graceful stop past its grace period (or arq's own timeout): arq puts
                 # the job back in the queue; the try it took is given back.
@@ -171,6 +182,7 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
             log.warning("rollout_dead_letter_deferred", reason=verdict.reason,
                         error=str(exc), defer_s=defer)
             raise Retry(defer=defer) from exc
+        ctx[DEAD_LETTERED] = ctx.get(DEAD_LETTERED, 0) + 1
         return "dead_lettered"
     finally:
         structlog.contextvars.unbind_contextvars("group_id", "job_try")
@@ -230,14 +242,20 @@ def build_worker(
     max_entry_bytes: int | None = None,
     redis_options: Mapping[str, Any] | None = None,
     transport: Any = None,
+    name: str | None = None,
+    open_data: Callable[[], aioredis.Redis] | None = None,
 ) -> Worker:
     """An arq ``Worker`` that runs rollout jobs of ``run``; ``await worker.main()`` runs it,
-    ``burst=True`` returns once the queue is empty (tests)."""
+    ``burst=True`` returns once the queue is empty (tests).
+
+    ``redis_url`` (with ``redis_options``) is arq's queue; the groups go to the client
+    ``open_data`` makes (default: one on ``redis_url``), e.g. a Redis Cluster's."""
 
     async def startup(ctx: dict[str, Any]) -> None:
         if "runner" in ctx:  # arq runs on_startup on every main(); keep the first clients
             return
-        redis = aioredis.Redis.from_url(redis_url, **(redis_options or {}))
+        redis = (open_data() if open_data is not None
+                 else aioredis.Redis.from_url(redis_url, **(redis_options or {})))
         publisher = Publisher(redis, run, partitions, max_entry_bytes=max_entry_bytes)
         try:  # Redis first: a failed start-up (Redis away) leaves nothing open behind
             await publisher.register()
@@ -280,8 +298,9 @@ def build_worker(
         on_shutdown=shutdown,
         job_serializer=_serialize,
         job_deserializer=_deserialize,
-        health_check_key=run_key(run, "workers:health"),
-        health_check_interval=10,
+        health_check_key=run_key(run, HEALTH_KEY + (
+            name or f"{socket.gethostname()}-{os.getpid()}")),
+        health_check_interval=HEALTH_INTERVAL_S,
         burst=burst,
         poll_delay=poll_s,  # a finished job's slot waits up to this long for the next job
         job_completion_wait=grace_s,
