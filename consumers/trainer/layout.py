@@ -152,7 +152,8 @@ def _write_tokens(groups: Sequence[ScoredGroup], starts: Sequence[int], ids: Int
     Only prompt ids and the completion span are written: the arrays must already hold the
     prompt values of the other arrays (0.0, and NO_VERSION for ``versions``). Writing
     straight into the output, rather than concatenating per-sequence rows first, halves
-    the memory traffic of a batch of long sequences.
+    the memory traffic of a batch of long sequences; a sequence advantage broadcast over
+    the tokens (a stride-0 view) and a single policy version are written as scalars.
     """
     i = 0
     for group in groups:
@@ -165,11 +166,44 @@ def _write_tokens(groups: Sequence[ScoredGroup], starts: Sequence[int], ids: Int
             ids[start:begin] = prompt
             ids[begin:end] = completion.completion_ids
             loss[begin:end] = completion.loss_mask
-            advantages[begin:end] = score.token_advantages
+            token_advantages = score.token_advantages
+            if token_advantages.strides == (0,):  # schemas.broadcast: one value
+                advantages[begin:end] = token_advantages[0]
+            else:
+                advantages[begin:end] = token_advantages
             logprobs[begin:end] = completion.logprobs
             stored = completion.token_versions
             versions[begin:end] = completion.policy_version if stored is None else stored
             i += 1
+
+
+_INT64_ARRAYS = 3  # ids, attention mask, positions (padded); ids, positions (packed)
+_FLOAT32_ARRAYS = 3  # loss mask, advantages, sampler logprobs; + int32 versions
+
+
+def _allocate(shape: tuple[int, ...], int64_arrays: int) -> tuple[list[Int64Array],
+                                                                 list[Float32Array], Int32Array]:
+    """Zeroed arrays of ``shape`` carved from one allocation: ``int64_arrays`` int64 ones,
+    three float32 ones and an int32 one.
+
+    One block rather than seven: numpy backs a block this large with huge pages, so the
+    first write to a fresh batch faults a few pages instead of thousands (measured: a third
+    of the cost of seven separate arrays for 128 x 2304 tokens). The arrays are views: the
+    block lives as long as any of them.
+    """
+    count = int(np.prod(shape, dtype=np.int64))
+    block = np.zeros(count * (8 * int64_arrays + 4 * (_FLOAT32_ARRAYS + 1)), np.uint8)
+    offset = 0
+
+    def take(dtype: type[np.generic], size: int) -> Any:
+        nonlocal offset
+        array = block[offset:offset + count * size].view(dtype).reshape(shape)
+        offset += count * size
+        return array
+
+    wide = [take(np.int64, 8) for _ in range(int64_arrays)]
+    floats = [take(np.float32, 4) for _ in range(_FLOAT32_ARRAYS)]
+    return wide, floats, take(np.int32, 4)
 
 
 def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedArrays:
@@ -178,17 +212,19 @@ def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedAr
     lengths = per_sequence.lengths
     b = len(lengths)
     t = int(lengths.max()) if b else 0
-    ids = np.full((b, t), pad_token_id, np.int64)
-    loss, advantages, logprobs = (np.zeros((b, t), np.float32) for _ in range(3))
-    versions = np.full((b, t), NO_VERSION, np.int32)
+    (ids, attention, positions), (loss, advantages, logprobs), versions = _allocate(
+        (b, t), _INT64_ARRAYS)
+    if pad_token_id:
+        ids.fill(pad_token_id)
+    versions.fill(NO_VERSION)
     _write_tokens(groups, range(0, b * t, t or 1), ids.reshape(-1), loss.reshape(-1),
                   advantages.reshape(-1), logprobs.reshape(-1), versions.reshape(-1))
     steps = np.arange(t, dtype=np.int64)
-    real = steps < lengths[:, None]
-    return PaddedArrays(**_fields(per_sequence), input_ids=ids,
-                        attention_mask=real.astype(np.int64),
-                        position_ids=np.where(real, steps, 0), loss_mask=loss,
-                        advantages=advantages, sampler_logprobs=logprobs, versions=versions)
+    np.greater(lengths[:, None], steps, out=attention, casting="unsafe")  # 1 on real tokens
+    np.multiply(attention, steps, out=positions)
+    return PaddedArrays(**_fields(per_sequence), input_ids=ids, attention_mask=attention,
+                        position_ids=positions, loss_mask=loss, advantages=advantages,
+                        sampler_logprobs=logprobs, versions=versions)
 
 
 def pack_groups(groups: Sequence[ScoredGroup]) -> PackedBatch:
@@ -198,12 +234,12 @@ def pack_groups(groups: Sequence[ScoredGroup]) -> PackedBatch:
     cu_seqlens = np.zeros(len(lengths) + 1, np.int32)
     np.cumsum(lengths, out=cu_seqlens[1:], dtype=np.int32)
     n = int(cu_seqlens[-1])
-    ids = np.empty(n, np.int64)  # every position is a prompt or completion token
-    loss, advantages, logprobs = (np.zeros(n, np.float32) for _ in range(3))
-    versions = np.full(n, NO_VERSION, np.int32)
+    # every position is a prompt or completion token: ids need no padding value
+    (ids, positions), (loss, advantages, logprobs), versions = _allocate((n,), 2)
+    versions.fill(NO_VERSION)
     _write_tokens(groups, cu_seqlens[:-1].tolist(), ids, loss, advantages, logprobs, versions)
     starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
-    positions = np.arange(n, dtype=np.int64) - starts
+    np.subtract(np.arange(n, dtype=np.int64), starts, out=positions)
     return PackedBatch(**_fields(per_sequence), input_ids=ids, position_ids=positions,
                        cu_seqlens=cu_seqlens, max_seqlen=int(lengths.max()) if len(lengths) else 0,
                        loss_mask=loss, advantages=advantages, sampler_logprobs=logprobs,
