@@ -209,6 +209,21 @@ def _env_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return options or None
 
 
+def _sampling_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    import json
+
+    options: dict[str, Any] = {}
+    for pair in args.sampling_option:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--sampling-option {pair!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value  # not JSON: the text itself
+    return options or None
+
+
 def _workers_args(parser: argparse.ArgumentParser) -> None:
     _env_args(parser)
     parser.add_argument("--inference", help="vLLM base URL(s), comma-separated "
@@ -218,6 +233,10 @@ def _workers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, help="completions per group [8]")
     parser.add_argument("--max-tokens", type=int, help="max new tokens per completion [256]")
     parser.add_argument("--temperature", type=float, help="sampling temperature [1.0]")
+    parser.add_argument("--sampling-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra field of every generation request, VALUE parsed as JSON "
+                        "where it parses, e.g. min_p=0.05 or structured_outputs="
+                        "'{\"regex\": \"[0-9]+\"}' (repeatable; top_k, seed and stop too)")
     parser.add_argument("--burst", action="store_true", help="exit once the queue is empty")
 
 
@@ -229,7 +248,7 @@ async def workers(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         WorkerSettings, args, environ, env=args.env, env_options=_env_options(args),
         inference=args.inference.split(",") if args.inference else None, model=args.model,
         concurrency=args.concurrency, group_size=args.group_size, max_tokens=args.max_tokens,
-        temperature=args.temperature)
+        temperature=args.temperature, sampling_options=_sampling_options(args))
     await run_workers(settings, burst=args.burst)
     return Exit.OK
 

@@ -222,8 +222,12 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     re-runs a cancelled job). A Redis outage is ridden out (``OutageRider``): the pool
     starts polling again once Redis answers.
     """
+    extra = dict(settings.sampling_options)
+    typed = {key: extra.pop(key) for key in ("top_k", "seed", "stop") if key in extra}
+    if isinstance(typed.get("stop"), str):
+        typed["stop"] = [typed["stop"]]
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
-                              max_tokens=settings.max_tokens)
+                              max_tokens=settings.max_tokens, extra=extra, **typed)
     worker = build_worker(
         redis_url=queue_url(settings), run=settings.run,
         env_factory=env_factory(settings.env, settings.env_options),

@@ -152,6 +152,10 @@ class WorkerSettings(CommonSettings):
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    sampling_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra fields of every generation request (vLLM's OpenAI API names, e.g. ``min_p``,
+    ``repetition_penalty``, ``structured_outputs``); ``top_k``, ``seed`` and ``stop`` set
+    those sampling fields. Fields rollq sets itself (``SAMPLING_OWNED``) are refused."""
     job_timeout_s: float = Field(default=600.0, gt=0)
     """A job running longer is cancelled and retried (arq ``job_timeout``)."""
     max_tries: int = Field(default=5, ge=1)
@@ -166,6 +170,36 @@ class WorkerSettings(CommonSettings):
     """Largest encoded group a worker publishes (bytes: token arrays ~9 B per token, plus
     text and metadata; 64 MiB holds 16 x 256k tokens); a larger one is dead-lettered as
     ``entry_too_large`` instead of filling Redis' memory."""
+
+
+    @field_validator("sampling_options")
+    @classmethod
+    def _own_fields_kept(cls, value: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(value) & set(SAMPLING_OWNED))
+        if owned:
+            raise ValueError("; ".join(f"{key}: {SAMPLING_OWNED[key]}" for key in owned))
+        for key in ("top_k", "seed"):
+            if key in value and (isinstance(value[key], bool) or
+                                 not isinstance(value[key], int)):
+                raise ValueError(f"{key} must be an integer (got {value[key]!r})")
+        stop = value.get("stop", [])
+        if not (isinstance(stop, str) or (isinstance(stop, list) and
+                                          all(isinstance(item, str) for item in stop))):
+            raise ValueError(f"stop must be a string or a list of strings (got {stop!r})")
+        return value
+
+
+SAMPLING_OWNED = {
+    **dict.fromkeys(("model", "prompt", "messages", "n", "logprobs", "top_logprobs",
+                     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids",
+                     "stream", "stream_options", "echo"),
+                    "rollq sets it on every request (ids and logprobs are always asked)"),
+    "max_tokens": "use max_tokens (--max-tokens); the multi-turn bridge sets it per turn",
+    "max_completion_tokens": "use max_tokens (--max-tokens)",
+    "temperature": "use temperature (--temperature)",
+    "top_p": "use top_p",
+}
+"""Request fields a ``--sampling-option`` may not set, with what to do instead."""
 
 
 class FeederSettings(CommonSettings):
