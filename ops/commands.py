@@ -192,9 +192,13 @@ async def rescore_command(args: argparse.Namespace, environ: Mapping[str, str]) 
 # -- workers / feed -------------------------------------------------------------------------
 
 def _env_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--env", help="env: gsm8k | math | guess | module:attribute [gsm8k]")
+    parser.add_argument("--env", help="env: gsm8k | math | guess | sums | gem:ENV_ID | "
+                        "skyrl:ENV_ID | areal:MODULE:ATTRIBUTE (other ecosystems' envs, "
+                        "with their extra installed) | module:attribute [gsm8k]")
     parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="env keyword argument, e.g. source=train.jsonl (repeatable)")
+                        help="env keyword argument (YAML value), e.g. source=train.jsonl; "
+                        "multi-turn envs: truncated_turn=end_episode|end_with_penalty|send; "
+                        "gem: passed to gem.make unless rollq's own (repeatable)")
 
 
 def _env_options(args: argparse.Namespace) -> dict[str, Any] | None:
