@@ -14,7 +14,8 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from producers.envs.base import Env
+from producers.drawn import ItemLedger
+from producers.envs.base import DrawingEnv, Env, Item
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
 from schemas import BrokerUnavailable, TrajectoryGroup
@@ -57,6 +58,11 @@ class RolloutRunner:
         started = time.time()
         version = await self.versions()
         item = self.env.item(position % len(self.env))
+        ledger = None
+        if isinstance(self.env, DrawingEnv):  # a stateful source: the same item on a re-run
+            ledger = ItemLedger(self.publisher.redis, self.run)
+            fields, _drawn = await ledger.item(group_id, self.env.draw)
+            item = Item(index=position, fields=fields)
         rollout = await self.env.rollout(
             item, self.pool, group_size=self.group_size, sampling=self.sampling,
             policy_version=self.versions,
@@ -75,6 +81,8 @@ class RolloutRunner:
             finished_at=time.time(),
         )
         entry_id = await self.publisher.publish(group)
+        if ledger is not None:
+            await ledger.forget(group_id)
         log.info("group_published", group_id=group_id, entry_id=entry_id,
                  policy_version=group.policy_version, tokens=group.num_tokens)
         return entry_id

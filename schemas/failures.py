@@ -59,6 +59,9 @@ JOB_TIMEOUT = "job_timeout"
 ENTRY_TOO_LARGE = "entry_too_large"
 """A group's encoded entry is above the publisher's ``max_entry_bytes`` (never retried: the
 same rollout would be as large again)."""
+ENV_SKIPPED = "env_skipped"
+"""An env returned no group for its item (an Atropos env's ``collect_trajectories`` gave
+None: it filtered the item out); the detail says why when the env said."""
 UNEXPECTED_ERROR = "unexpected_error"
 """Anything else: a bug in rollq, an env or a component; the detail holds the exception."""
 

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 import orjson
 import redis.asyncio as aioredis
 import structlog
@@ -34,6 +35,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ops.atropos.inference import add_inference_routes, inference_upstream
 from ops.atropos.models import (
     EnvIdentifier,
     EnvRegistered,
@@ -160,9 +162,11 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
     return model.model_validate_json(await request.body())
 
 
-def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = None) -> FastAPI:
+def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = None,
+               transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The API for ``settings.run``. ``redis`` (tests) is used instead of opening a client
-    from ``settings.redis_url``, and is then not closed here."""
+    from ``settings.redis_url``, and is then not closed here; ``transport`` reaches the
+    inference servers (``settings.inference``, ``ops.atropos.inference``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -174,8 +178,12 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
                                     lock_timeout_s=settings.lock_timeout_s,
                                     gzip_level=settings.gzip_level,
                                     dedup_window_s=settings.dedup_window_s,
-                                    piece_cache_bytes=settings.piece_cache_mb << 20) as store:
+                                    piece_cache_bytes=settings.piece_cache_mb << 20) as store, \
+                    inference_upstream(settings.inference, model=settings.model or None,
+                                       timeout_s=settings.request_timeout_s,
+                                       transport=transport) as upstream:
                 app.state.store = store
+                app.state.upstream = upstream
                 log.info("atropos_api_started", run=settings.run, rewards=settings.rewards,
                          partitions=store.partitions)
                 yield
@@ -214,6 +222,8 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
     @app.exception_handler(UnknownEnv)
     async def unknown_env(request: Request, exc: UnknownEnv) -> JsonResponse:
         return _problem(404, str(exc))
+
+    add_inference_routes(app)
 
     @app.get("/")
     async def root() -> dict[str, str]:

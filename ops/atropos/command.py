@@ -19,6 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "scored stream); bridge: rollq's scorers (`rollq score`) reward the "
                         "groups, the env's score available as component env_score [env]")
     parser.add_argument("--consumer-group", help="consumer group of /batch [atropos]")
+    parser.add_argument("--inference", help="vLLM base URL(s), comma-separated, served to "
+                        "Atropos envs under /inference (server_type vllm: base_url "
+                        "http://HOST:PORT/inference/v1) [none]")
+    parser.add_argument("--model", help="served model name [asked from /v1/models]")
 
 
 async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -29,7 +33,8 @@ async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> i
 
     settings: AtroposApiSettings = settings_for(
         AtroposApiSettings, args, environ, host=args.host, port=args.port,
-        rewards=args.rewards, consumer_group=args.consumer_group)
+        rewards=args.rewards, consumer_group=args.consumer_group,
+        inference=args.inference.split(",") if args.inference else None, model=args.model)
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_config=None, access_log=False, lifespan="on")
     await uvicorn.Server(config).serve()

@@ -35,3 +35,11 @@ class AtroposApiSettings(CommonSettings):
     a 5xx or a timeout). 0: off."""
     lock_timeout_s: float = Field(default=30.0, gt=0)
     """Longest wait for, and hold of, the lock that serialises batch assembly."""
+    inference: list[str] = Field(default_factory=list)
+    """vLLM base URLs served to Atropos envs under ``/inference`` (atroposlib's ``vllm``
+    server type: ``/generate`` with the server's token ids; ``ops.atropos.inference``).
+    Empty: no inference routes."""
+    model: str = ""
+    """Served model name of ``inference``; empty: asked from ``/v1/models``."""
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    """Longest wait for one generation of the inference routes."""

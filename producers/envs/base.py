@@ -113,6 +113,17 @@ class AgentEnv(Protocol):
                           sampling: SamplingParams) -> EpisodeResult | float | None: ...
 
 
+@runtime_checkable
+class DrawingEnv(Protocol):
+    """An env whose items come from a stateful source (Atropos' ``get_next_item``), not by
+    index. ``draw()`` returns the next item's JSON-serialisable fields; the rollout runner
+    records them per job (``producers.drawn``) and passes them to ``rollout`` as
+    ``Item(index=position, fields=...)``, so a re-run of the job rolls the same item.
+    ``item(index)`` is still called (and may return a placeholder)."""
+
+    async def draw(self) -> dict[str, Any]: ...
+
+
 class EpisodeWorkflow(Protocol):
     """An agent that reaches the model through an OpenAI-compatible base URL (AReaL's
     workflow shape): ``run(data, base_url=, http_client=, api_key=)`` with the item's

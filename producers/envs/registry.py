@@ -90,6 +90,7 @@ KINDS: dict[str, str] = {
     "gem": "producers.envs.kinds:gem_env",  # gem:ENV_ID (extra gem)
     "skyrl": "producers.envs.kinds:skyrl_env",  # skyrl:ENV_ID (extra skyrl)
     "areal": "producers.envs.kinds:areal_env",  # areal:MODULE:ATTRIBUTE
+    "atropos": "producers.envs.atropos:atropos_env",  # atropos:MODULE:ENVCLASS (extra atropos)
 }
 """Env kinds by prefix: ``--env KIND:SPEC`` calls the factory at this ``module:attribute``
 path as ``factory(SPEC, **options)``. Adapters for optional packages register here."""

@@ -12,6 +12,12 @@ for the serve-mode tests: run them with atroposlib's own CLI,
 
 Inference goes to the ``openai`` server at ``$ROLLQ_TEST_OPENAI_URL`` (the loopback fake,
 ``tests.atropos.fake_openai``); the tokenizer is read from ``$ROLLQ_TEST_TOKENIZER``.
+
+Token-exact twins (``managed_sums``, ``managed_two_step``) build their groups with
+atroposlib's ``managed_server`` (token ids and logprobs from the server), as atroposlib
+recommends for training data: their ``vllm`` server is ``$ROLLQ_TEST_INFERENCE_URL`` (the
+``/inference/v1`` of ``rollq atropos-api --inference``), and as rollq workers
+(``--env atropos:tests.atropos.atropos_envs:ManagedSumsEnv``) the worker's pool.
 Both re-tokenise the chat, as atroposlib's GSM8K env does, with ``tokenize`` below:
 atroposlib 0.4.0's ``tokenize_for_trainer`` breaks under transformers 5, whose
 ``apply_chat_template`` returns a ``BatchEncoding`` unless ``return_dict=False`` (the env
@@ -127,7 +133,74 @@ class TwoStepEnv(_Env):
                               messages=chat), []
 
 
-ENVS: dict[str, type[_Env]] = {"sums": SumsEnv, "two_step": TwoStepEnv}
+def _partial(reply: str, right: int) -> float:
+    """GSM8K-style score: 1.0 for the right ``####`` answer, else the fraction of digit
+    characters (partial credit, so an untrained model's groups still vary)."""
+    if _score(reply, right):
+        return 1.0
+    return sum(c.isdigit() for c in reply) / max(1, len(reply)) / 2
+
+
+class _ManagedEnv(_Env):
+    @classmethod
+    def config_init(cls) -> tuple[BaseEnvConfig, list[APIServerConfig]]:
+        config, _ = super().config_init()
+        server = APIServerConfig(
+            server_type="vllm", base_url=os.environ.get("ROLLQ_TEST_INFERENCE_URL", ""),
+            api_key="x", model_name="rollq-tiny", tokenizer_name=config.tokenizer_name,
+            timeout=120)
+        return config, [server]
+
+
+class ManagedSumsEnv(_ManagedEnv):
+    """Single turn, token-exact: ``n = group_size`` completions through ``managed_server``."""
+
+    name = "managed_sums"
+
+    async def collect_trajectories(self, item: tuple[int, int]) -> tuple[ScoredDataGroup, list]:
+        a, b = item
+        prompt = [{"role": "user", "content": f"What is {a} + {b}? End with #### and the sum."}]
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            reply = await managed.chat_completion(messages=prompt, n=self.config.group_size,
+                                                  max_tokens=16, temperature=1.0)
+            nodes = managed.get_state()["nodes"]
+        group = ScoredDataGroup(tokens=[], masks=[], scores=[], messages=[],
+                                inference_logprobs=[])
+        for choice, node in zip(reply.choices, nodes, strict=True):
+            text = choice.message.content or ""
+            group["tokens"].append(node.tokens)
+            group["masks"].append(node.masked_tokens)
+            group["inference_logprobs"].append(node.logprobs)
+            group["scores"].append(_partial(text, a + b))
+            group["messages"].append([*prompt, {"role": "assistant", "content": text}])
+        return group, []
+
+
+class ManagedTwoStepEnv(_ManagedEnv):
+    """Two steps, token-exact: the second call extends the first's tokens (env turn masked).
+    Sends no ``inference_logprobs`` (rollq fills them from the server's)."""
+
+    name = "managed_two_step"
+
+    async def collect_trajectory(self, item: tuple[int, int]) -> tuple[ScoredDataItem, list]:
+        a, b = item
+        chat: list[dict[str, str]] = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
+            for follow_up in (None, f"Now add 10 to {a} + {b}."):
+                if follow_up is not None:
+                    chat.append({"role": "user", "content": follow_up})
+                reply = await managed.chat_completion(messages=chat, n=1, max_tokens=12)
+                chat.append({"role": "assistant",
+                             "content": reply.choices[0].message.content or ""})
+            node = managed.get_state()["nodes"][-1]
+        return ScoredDataItem(tokens=node.tokens, masks=node.masked_tokens,
+                              scores=_partial(chat[-1]["content"], a + b + 10),
+                              messages=chat), []
+
+
+ENVS: dict[str, type[_Env]] = {"sums": SumsEnv, "two_step": TwoStepEnv,
+                               "managed_sums": ManagedSumsEnv,
+                               "managed_two_step": ManagedTwoStepEnv}
 
 if __name__ == "__main__":
     ENVS[sys.argv.pop(1)].cli()
