@@ -8,9 +8,13 @@ series, named by Prometheus conventions (``rollq_…_total`` counters, ``_second
   stream lengths, consumer-group lag and pending entries, groups in flight, the policy
   version and recent rewards per component. Every role serves them, labelled with ``run``;
   dashboards take ``max by (run, …)`` across instances.
-- **This process's own**: ``rollq_role_info``, its event-loop lag, what it did (scorer
-  outcomes, …) through ``add_gauge``/``add_counter`` callbacks, and the process' CPU and
-  memory (``prometheus_client``'s process collector).
+- **This process's own**: ``rollq_role_info``, its event-loop lag, what it did through
+  ``add_gauge``/``add_counter``/``add_histogram`` callbacks (``ops.role_metrics`` wires each
+  role: scorer outcomes, worker jobs and inference per server, the feeder's admission
+  budget, the trainer SDK's steps and staleness), and the process' CPU and memory
+  (``prometheus_client``'s process collector).
+- **The workers' health**, run-wide from arq's health records on the control plane
+  (``ops.health``): worker processes alive, jobs running and queued.
 
 Scrapes read Redis with a blocking client in the exporter's thread, never on the role's
 event loop; a scrape while Redis is away reports ``rollq_redis_up 0`` instead of failing.
@@ -21,10 +25,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import redis
+from redis.cluster import RedisCluster
 
+from ops.connections import CLUSTER_SCHEMES
+from ops.health import read_health_sync
 from schemas import ConfigError, DecodeError, scored_rewards
 from schemas.keys import (
     ADMITTED_FIELD,
@@ -37,10 +45,15 @@ from schemas.keys import (
     state_key,
     stream_key,
 )
+from schemas.stats import Histogram
 
 try:  # the `metrics` extra
     import prometheus_client
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
     from prometheus_client.registry import Collector, CollectorRegistry
 except ImportError:  # pragma: no cover - exercised only without the extra
     prometheus_client = None  # type: ignore[assignment]
@@ -58,12 +71,13 @@ class RunCollector:
     """Run-wide series read from Redis at each scrape (see the module doc)."""
 
     def __init__(self, redis_url: str, run: str,
-                 redis_options: dict[str, Any] | None = None) -> None:
+                 redis_options: dict[str, Any] | None = None, *,
+                 queue_url: str | None = None,
+                 queue_options: dict[str, Any] | None = None) -> None:
         self.run = run
         # Any: redis-py types every command as `Awaitable[T] | T`, sync client or not.
-        self.client: Any = redis.Redis.from_url(
-            redis_url, **{"socket_timeout": 5, "socket_connect_timeout": 2,
-                          **(redis_options or {})})
+        self.client: Any = _sync_client(redis_url, redis_options)
+        self.queue: Any = None if queue_url is None else _sync_client(queue_url, queue_options)
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("rollq_redis_up", "1 when the last scrape could read Redis",
@@ -124,6 +138,20 @@ class RunCollector:
         yield version
         yield from self._streams(partitions)
         yield from self._rewards(partitions)
+        if self.queue is not None:
+            yield from self._workers()
+
+    def _workers(self) -> Iterator[Any]:
+        health = read_health_sync(self.queue, self.run)
+        alive = GaugeMetricFamily("rollq_workers_alive", "Worker processes whose arq health "
+                                  "record is fresh (refreshed every 10 s)", labels=["run"])
+        alive.add_metric([self.run], health.alive)
+        jobs = GaugeMetricFamily("rollq_workers_jobs", "Rollout jobs by state, from the live "
+                                 "workers' health records", labels=["run", "state"])
+        jobs.add_metric([self.run, "running"], health.running)
+        jobs.add_metric([self.run, "queued"], health.queued)
+        yield alive
+        yield jobs
 
     def _streams(self, partitions: int) -> Iterator[Any]:
         run = self.run
@@ -181,6 +209,15 @@ class RunCollector:
         yield per
 
 
+def _sync_client(url: str, options: dict[str, Any] | None) -> Any:
+    """A blocking client for ``url``; a ``RedisCluster`` for rollq's cluster schemes."""
+    options = {"socket_timeout": 5, "socket_connect_timeout": 2, **(options or {})}
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        return RedisCluster.from_url(CLUSTER_SCHEMES[scheme] + url[len(scheme):], **options)
+    return redis.Redis.from_url(url, **options)
+
+
 class _Callbacks:
     """Process-local series whose values come from callbacks at scrape time."""
 
@@ -188,6 +225,7 @@ class _Callbacks:
         self.role, self.run = role, run
         self.gauges: list[tuple[str, str, dict[str, str], Callable[[], float]]] = []
         self.counters: list[tuple[str, str, dict[str, str], Callable[[], float]]] = []
+        self.histograms: list[tuple[str, str, dict[str, str], Callable[[], Histogram]]] = []
 
     def collect(self) -> Iterator[Any]:
         info = GaugeMetricFamily("rollq_role_info", "The role this process runs",
@@ -204,18 +242,34 @@ class _Callbacks:
                                                   labels=["run", "role", *labels])
                 family.add_metric([self.run, self.role, *labels.values()], float(read()))
             yield from families.values()
+        histograms: dict[str, Any] = {}
+        for name, documentation, labels, observed in self.histograms:
+            family = histograms.get(name)
+            if family is None:
+                family = histograms[name] = HistogramMetricFamily(
+                    name, documentation, labels=["run", "role", *labels])
+            histogram = observed()
+            family.add_metric([self.run, self.role, *labels.values()],
+                              histogram.cumulative(), histogram.sum)
+        yield from histograms.values()
 
 
 class RoleMetrics:
     """The ``/metrics`` endpoint of one role process (``serve`` starts it)."""
 
-    def __init__(self, role: str, *, run: str, redis_url: str,
-                 redis_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, role: str, *, run: str, redis_url: str | None,
+                 redis_options: dict[str, Any] | None = None, queue_url: str | None = None,
+                 queue_options: dict[str, Any] | None = None) -> None:
+        """``redis_url`` None: no run-wide series (a role without Redis: the gateway);
+        ``queue_url``: the control plane, for the workers' health series."""
         _require()
         self.registry = CollectorRegistry(auto_describe=False)
         self._callbacks = _Callbacks(role, run)
         self.registry.register(self._callbacks)
-        self.registry.register(RunCollector(redis_url, run, redis_options))
+        if redis_url is not None:
+            self.registry.register(RunCollector(redis_url, run, redis_options,
+                                                queue_url=queue_url,
+                                                queue_options=queue_options))
         prometheus_client.ProcessCollector(registry=self.registry)
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -228,6 +282,11 @@ class RoleMetrics:
                     **labels: str) -> None:
         """``name`` without ``_total`` (the exposition adds it)."""
         self._callbacks.counters.append((name, documentation, labels, read))
+
+    def add_histogram(self, name: str, documentation: str, read: Callable[[], Histogram],
+                      **labels: str) -> None:
+        """``name`` without ``_bucket``/``_sum``/``_count`` (the exposition adds them)."""
+        self._callbacks.histograms.append((name, documentation, labels, read))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` in a background thread; returns the port (0: a free one)."""

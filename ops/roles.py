@@ -31,6 +31,7 @@ from consumers.stage import Stage
 from consumers.trainer.client import TRAINER_GROUP
 from ops.connections import open_redis, queue_options, queue_url, redis_options
 from ops.looplag import LoopLagMonitor
+from ops.role_metrics import feeder_metrics, worker_metrics
 from ops.settings import (
     CommonSettings,
     FeederSettings,
@@ -44,7 +45,7 @@ from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
-from schemas import BrokerUnavailable
+from schemas import BrokerUnavailable, ConfigError
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
 from schemas.outage import OutageRider
 
@@ -187,8 +188,13 @@ async def serve_metrics(settings: CommonSettings, role: str, lag: LoopLagMonitor
         return
     from ops.metrics import RoleMetrics
 
+    try:  # the control plane, for the workers' health series
+        queue: str | None = queue_url(settings)
+    except ConfigError:  # a cluster redis_url without queue_url (a scorer needs none)
+        queue = None
     metrics = RoleMetrics(role, run=settings.run, redis_url=settings.redis_url,
-                          redis_options=redis_options(settings))
+                          redis_options=redis_options(settings), queue_url=queue,
+                          queue_options=queue_options(settings) if queue else None)
     metrics.add_gauge("rollq_event_loop_lag_seconds", "p99 event-loop lag over the recent "
                       "window", lambda: lag.snapshot().p99_ms / 1000)
     for register in extra:
@@ -250,7 +256,9 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     probe = open_redis(settings, socket_connect_timeout=2)
     try:
         await _ping(probe)  # at start-up Redis must answer at once (exit 69 otherwise)
-        async with LoopLagMonitor("workers"):
+        async with LoopLagMonitor("workers") as lag, serve_metrics(
+                settings, "workers", lag,
+                worker_metrics(worker, settings.concurrency, settings.inference)):
             while True:
                 try:
                     await worker.async_run()
@@ -312,9 +320,10 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
         log.info("feeder_started", run=settings.run, env=env.name, items=len(env),
                  epochs=settings.epochs)
         rider = OutageRider(give_up_s=settings.redis_give_up_s, what="feeder", log=log)
-        async with LoopLagMonitor("feeder"):
-            await Feeder(redis, settings.run, plan, enqueue).run_until(stop, settings.poll_s,
-                                                                       rider)
+        feeder = Feeder(redis, settings.run, plan, enqueue)
+        async with LoopLagMonitor("feeder") as lag, serve_metrics(
+                settings, "feeder", lag, feeder_metrics(feeder)):
+            await feeder.run_until(stop, settings.poll_s, rider)
     finally:
         await queue.aclose()
         await redis.aclose()

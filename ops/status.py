@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from consumers.bus import StreamStats, stream_stats, translated_errors
 from consumers.trainer.client import TRAINER_GROUP
+from ops.health import WorkersHealth, read_health
 from producers.admission import outstanding
 from producers.worker import queue_name
 from schemas import DecodeError, scored_rewards
@@ -77,6 +78,8 @@ class RunStatus:
     reward_mean: float | None = None
     reward_samples: int = 0
     accounting: Accounting | None = None
+    workers: WorkersHealth | None = None
+    """The run's live worker processes and their jobs (arq's health records)."""
     taken_at: float = field(default_factory=time.time)
 
     @property
@@ -128,6 +131,8 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
     admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
     async with translated_errors("reading the job queue"):
         jobs = int(await (queue or redis).zcard(queue_name(run)))
+    async with translated_errors("reading the workers' health"):
+        workers = await read_health(queue or redis, run)
     return RunStatus(
         run=run,
         partitions=partitions,
@@ -141,6 +146,7 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
             expected=outstanding(admitted, counters)[1], jobs=jobs,
             unscored=_not_done(streams, "traj", "scorers"),
             unconsumed=_not_done(streams, "scored", TRAINER_GROUP)),
+        workers=workers,
     )
 
 
@@ -189,6 +195,10 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
             lag = "?" if group.lag is None else str(group.lag)
             lines.append(f"{key:<32} {length:>8}  {group.name:<12} {group.consumers:>9} "
                          f"{group.pending:>8} {lag:>6} {idle:>15}")
+    if status.workers is not None:
+        w = status.workers
+        lines.append(f"workers: {w.alive} alive, jobs {w.running} running, {w.queued} queued, "
+                     f"{w.complete} complete, {w.failed} failed, {w.retried} retried")
     accounting = status.accounting
     if accounting is not None:
         held = "?" if accounting.held is None else str(accounting.held)

@@ -116,6 +116,11 @@ class Feeder:
         self._token = secrets.token_hex(8)
         self._commit = redis.register_script(_COMMIT)
         self._release = redis.register_script(_RELEASE)
+        self.admitted = 0
+        """Jobs this feeder admitted (committed first), for its metrics."""
+        self.last_state: FeedState | None = None
+        self.last_budget = 0
+        """The state and budget of this feeder's last admission check (its metrics)."""
 
     @property
     def key(self) -> str:
@@ -150,12 +155,14 @@ class Feeder:
                                     px=int(self.lease_s * 1000)):
             return 0  # another feeder admits now: this one is a standby
         try:
-            state = await self.read_state()
-            budget = state.budget(self.plan)
+            state = self.last_state = await self.read_state()
+            budget = self.last_budget = state.budget(self.plan)
             created = 0
             for position in range(state.cursor, state.cursor + budget):
                 fresh = await self.enqueue(position)
-                created += int(await self._commit(keys=[self.key], args=[position]))
+                committed = int(await self._commit(keys=[self.key], args=[position]))
+                created += committed
+                self.admitted += committed
                 if not fresh:
                     log.info("job_already_enqueued", position=position)
         finally:

@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,8 +127,10 @@ TIMEOUT_MARGIN_S = 5.0
 default; ``build_worker(timeout_margin_s=)``): time enough to write a dead letter."""
 EXTRA_TRIES = 5
 """arq's ``max_tries`` is this much above rollq's (see the module docstring)."""
-PUBLISHED, DEAD_LETTERED = "rollq_groups_published", "rollq_groups_dead_lettered"
-"""Keys of the worker's ``ctx``: jobs that ended in a published group, in a dead letter."""
+OUTCOMES = "rollq_outcomes"
+"""Key of the worker's ``ctx``: a ``Counter`` of how its jobs ended, ``PUBLISHED`` or
+``DEAD_LETTERED`` (arq gives each job a copy of ``ctx``; the counter is shared)."""
+PUBLISHED, DEAD_LETTERED = "published", "dead_lettered"
 HEALTH_KEY = "workers:health:"
 """``run_key(run, HEALTH_KEY + name)``: arq's health record of one worker process,
 ``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
@@ -155,7 +158,7 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
             try:
                 async with deadline:
                     entry_id = await runner.run_job(group_id, position)
-                ctx[PUBLISHED] = ctx.get(PUBLISHED, 0) + 1
+                ctx[OUTCOMES][PUBLISHED] += 1
                 return entry_id
             except asyncio.CancelledError:
                 # A graceful stop past its grace period (or arq's own timeout): arq puts
@@ -182,7 +185,7 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
             log.warning("rollout_dead_letter_deferred", reason=verdict.reason,
                         error=str(exc), defer_s=defer)
             raise Retry(defer=defer) from exc
-        ctx[DEAD_LETTERED] = ctx.get(DEAD_LETTERED, 0) + 1
+        ctx[OUTCOMES][DEAD_LETTERED] += 1
         return "dead_lettered"
     finally:
         structlog.contextvars.unbind_contextvars("group_id", "job_try")
@@ -267,6 +270,7 @@ def build_worker(
         await pool.__aenter__()
         ctx.update(
             rollq_redis=redis,
+            rollq_outcomes=Counter(),
             inference=pool,
             max_tries=max_tries,
             job_timeout_s=job_timeout_s,

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
+import os
 import re
+import signal
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -13,15 +19,25 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+from bench.workers import FakeServerProcess
+from consumers.trainer import TrainerClient, TrainerClientSettings
+from ops.cli import main
+from ops.health import parse_health
+from ops.role_metrics import serve_trainer_metrics
 from ops.roles import run_scorer
 from ops.settings import ScorerSettings
+from ops.stack import free_port
 from producers.publisher import Publisher
+from schemas import decode_trajectory
 from schemas.keys import stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
 
 RUN = "metrics"
 DASHBOARD = Path(__file__).resolve().parent.parent / "ops/monitoring/grafana/dashboards/rollq.json"
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -73,10 +89,6 @@ async def test_scorer_metrics_count_what_happened(real_redis: aioredis.Redis,
     assert value(found, "rollq_reward_component_mean", component="length") > 0
     assert value(found, "rollq_event_loop_lag_seconds", role="scorer") >= 0
     assert value(found, "process_resident_memory_bytes") > 0
-    # The provisioned dashboard only queries series that a role really serves.
-    exposed = {name for name, _ in found}
-    queried = set(re.findall(r"\b((?:rollq|process)_[a-z_]+)", DASHBOARD.read_text()))
-    assert queried and queried <= exposed, queried - exposed
 
 
 def test_dashboard_is_valid_grafana_json() -> None:
@@ -90,3 +102,157 @@ def test_dashboard_is_valid_grafana_json() -> None:
 @pytest.mark.parametrize("port", [None])
 def test_metrics_off_by_default(port: int | None) -> None:
     assert ScorerSettings().metrics_port is port
+
+
+@pytest.fixture(scope="module")
+def inference() -> Iterator[str]:
+    fake = FakeServerProcess().start()  # a loopback OpenAI-compatible fake: real HTTP
+    yield fake.url
+    fake.stop()
+
+
+SCRAPED: list[str] = []
+"""Every exposition ``scrape`` read (the dashboard check looks at what they declare)."""
+
+
+async def scrape(port: int) -> Samples:
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(f"http://127.0.0.1:{port}/metrics")
+    assert reply.status_code == 200
+    SCRAPED.append(reply.text)
+    return samples(reply.text)
+
+
+def declared(text: str) -> set[str]:
+    """Names a query may use: every sample's, and every family's (a family without samples
+    yet, like drops before the first drop, is declared all the same)."""
+    names = {name for name, _ in samples(text)}
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        if family.type == "counter":
+            names.add(family.name + "_total")
+        if family.type == "histogram":
+            names |= {family.name + suffix for suffix in ("_bucket", "_sum", "_count")}
+    return names
+
+
+async def scrape_until(port: int, name: str, expected: float, **labels: str) -> Samples:
+    """Scrape until ``name{labels}`` reads ``expected`` (the roles run in other processes)."""
+    found: Samples = {}
+    for _ in range(600):
+        try:
+            found = await scrape(port)
+        except httpx.TransportError:  # the role is still starting
+            await asyncio.sleep(0.1)
+            continue
+        matches = [v for (n, ls), v in found.items()
+                   if n == name and set(labels.items()) <= set(ls)]
+        if matches == [expected]:
+            return found
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{name}{labels} never read {expected}: {found}")
+
+
+async def status_json(url: str, run: str) -> dict[str, object]:
+    """``rollq status --json`` (its own event loop, in a thread)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = await asyncio.to_thread(main, ["status", "--redis-url", url, "--run", run,
+                                              "--json"], {})
+    assert code == 0
+    document: dict[str, object] = json.loads(out.getvalue())
+    return document
+
+
+@pytest.mark.slow
+async def test_every_role_serves_metrics_that_count_what_happened(
+        real_redis: aioredis.Redis, redis_server: RedisServer, inference: str,
+        tmp_path: Path) -> None:
+    """feed, workers and score as the CLI runs them (processes, --metrics-port), the trainer
+    SDK in this process: 4 groups admitted (the budget at version 0: 1 x 4), generated,
+    scored and trained; every endpoint parses and counts them."""
+    run = "metricsall"
+    config = tmp_path / "reward.yaml"
+    config.write_text("components:\n  - name: length\n    component: length_bounty\n"
+                      "advantages: {zero_variance: keep}\n")
+    ports = {role: free_port() for role in ("feeder", "workers", "scorer")}
+    env = {**os.environ, "ROLLQ_REDIS_URL": redis_server.url, "ROLLQ_RUN": run,
+           "ROLLQ_LOG_FORMAT": "json"}
+    argv = {"feeder": ["feed", "--batch-groups", "4", "--max-staleness", "0"],
+            "workers": ["workers", "--inference", inference, "--group-size", "2",
+                        "--max-tokens", "8", "--concurrency", "2"],
+            "scorer": ["score", "--reward-config", str(config), "--processes", "1"]}
+    processes = {role: await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ops.cli", *argv[role], "--metrics-port", str(ports[role]),
+        env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        for role in ports}
+    try:
+        async with TrainerClient(real_redis, run=run, consumer="t0",
+                                 settings=TrainerClientSettings(block_ms=100)) as client:
+            endpoint, trainer_port = serve_trainer_metrics(client, 0,
+                                                           redis_url=redis_server.url)
+            try:
+                batch = await client.next_batch(groups=4, timeout_s=120)
+                assert len(batch) == 4
+                await batch.ack()
+                trainer = await scrape(trainer_port)
+            finally:
+                endpoint.close()
+        # the feeder's next check sees the batch consumed: nothing outstanding, no budget
+        feeder = await scrape_until(ports["feeder"], "rollq_admission_outstanding", 0)
+        workers = await scrape_until(ports["workers"], "rollq_workers_alive", 1)
+        scorer = await scrape(ports["scorer"])
+        health = (await status_json(redis_server.url, run))["workers"]
+    finally:
+        for process in processes.values():
+            process.send_signal(signal.SIGTERM)
+        codes = {role: await asyncio.wait_for(p.wait(), 60) for role, p in processes.items()}
+    assert codes == dict.fromkeys(processes, 0)
+
+    groups = [decode_trajectory(f) for _, f in
+              await real_redis.xrange(stream_key(run, 0, "traj"))]
+    tokens = sum(len(c.completion_ids) for g in groups for c in g.completions)
+    assert len(groups) == 4 and tokens > 0
+    for role, found in (("feeder", feeder), ("workers", workers), ("scorer", scorer),
+                        ("trainer", trainer)):
+        assert value(found, "rollq_role_info", role=role) == 1
+        assert value(found, "rollq_groups_total", stage="admitted", run=run) == 4
+    assert value(feeder, "rollq_feeder_jobs_admitted_total") == 4
+    assert value(feeder, "rollq_admission_budget") == 0
+    assert value(feeder, "rollq_feeder_cursor") == 4
+    assert value(workers, "rollq_worker_groups_total", outcome="published") == 4
+    assert value(workers, "rollq_worker_groups_total", outcome="dead_lettered") == 0
+    assert value(workers, "rollq_worker_jobs_total", outcome="complete") == 4
+    assert value(workers, "rollq_worker_jobs_running") == 0
+    assert value(workers, "rollq_worker_job_slots") == 2
+    server = inference.rstrip("/")
+    assert value(workers, "rollq_inference_completion_tokens_total", server=server) == tokens
+    assert value(workers, "rollq_inference_request_seconds_count", server=server) == 4
+    assert value(workers, "rollq_inference_request_seconds_bucket", server=server,
+                 le="+Inf") == 4
+    assert value(workers, "rollq_inference_server_up", server=server) == 1
+    assert value(scorer, "rollq_stage_entries_total", outcome="forwarded") == 4
+    assert value(scorer, "rollq_groups_total", stage="scored") == 4
+    assert value(trainer, "rollq_trainer_groups_consumed_total") == 4
+    assert value(trainer, "rollq_trainer_batches_total") == 1
+    assert value(trainer, "rollq_trainer_tokens_total") == tokens + sum(  # + each sequence's prompt
+        len(g.prompt_ids) * len(g.completions) for g in groups)
+    assert value(trainer, "rollq_trainer_step_seconds_count") == 1
+    assert value(trainer, "rollq_trainer_staleness_versions_bucket", le="0.0") == 4
+    assert value(trainer, "rollq_groups_total", stage="consumed") == 4
+    assert isinstance(health, dict) and health["alive"] == 1  # arq's health record
+    after = (await status_json(redis_server.url, run))["workers"]
+    assert isinstance(after, dict) and after["alive"] == 0  # a stopped worker deletes it
+    # The provisioned dashboard only queries series that some role really serves.
+    exposed = set().union(*map(declared, SCRAPED))
+    queried = set(re.findall(r"\b((?:rollq|process)_[a-z_]+)", DASHBOARD.read_text()))
+    assert queried and queried <= exposed, queried - exposed
+
+
+def test_arq_health_records_are_summed() -> None:
+    records = [b"Nov-24 05:31:02 j_complete=12 j_failed=1 j_retried=3 j_ongoing=4 queued=20",
+               b"Nov-24 05:31:05 j_complete=5 j_failed=0 j_retried=0 j_ongoing=2 queued=19",
+               None]  # expired between SCAN and GET
+    health = parse_health(records)
+    assert (health.alive, health.complete, health.failed, health.retried, health.running,
+            health.queued) == (2, 17, 1, 3, 6, 20)

@@ -68,6 +68,7 @@ from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
 from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.staleness import is_stale
+from consumers.trainer.stats import TrainerStats
 from consumers.trainer.weights import PolicyPublisher
 from schemas import BrokerUnavailable, DecodeError, ScoredGroup, decode_scored
 from schemas.failures import decide
@@ -138,6 +139,9 @@ class TrainerClient:
         self._empty_reads = 0
         self._rider = OutageRider(give_up_s=self.settings.redis_give_up_s, what="trainer",
                                   log=log)
+        self.stats = TrainerStats()
+        """What this client did (batches, steps, staleness): the trainer's metrics."""
+        self._batch_version = 0
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions = await self._ledger.register(self.settings.partitions)
@@ -191,7 +195,8 @@ class TrainerClient:
         counting another delivery of what it does hold, and goes on; past the give-up
         time it raises ``BrokerUnavailable``.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = None if timeout_s is None else started + timeout_s
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
@@ -203,6 +208,7 @@ class TrainerClient:
                 self._recovering = self._started
                 continue
             self._rider.recovered()
+            self.stats.handed_out(batch.entries, self._batch_version, time.monotonic() - started)
             return batch
 
     async def _next_batch(self, groups: int | None, sequences: int | None,
@@ -217,7 +223,7 @@ class TrainerClient:
         # Redis answers again: the outage ends now, not when the batch is full (which may
         # be long after), or the next outage would count from this one's start.
         self._rider.recovered()
-        version = await self.current_version()
+        version = self._batch_version = await self.current_version()
         while True:
             await self._drop_stale(version)
             count, full = size.fit([(len(h.group.trajectory.completions), _tokens(h.group))
@@ -298,6 +304,7 @@ class TrainerClient:
             self._release(h)
             self._replays.pop(h.ref, None)
             self._remember(h.group.group_id, f"{h.ref[0]} {h.ref[1]}")
+        self.stats.acked(batch.entries, [h.group for h in held], counted)
         log.info("batch_acked", run=self.run, groups=len(held), consumed=counted)
         return counted
 

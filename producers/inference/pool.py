@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -48,6 +49,8 @@ from schemas import ConfigError, InferenceUnavailable
 log = structlog.get_logger("rollq.inference")
 
 T = TypeVar("T")
+_UNTIMED = frozenset({"models", "tokenize", "/tokenize", "/v1/models"})
+"""Calls that generate nothing: not in the per-server latency and token counts."""
 
 
 class InferencePool:
@@ -226,8 +229,12 @@ class InferencePool:
                 error = self._none_healthy()
             else:
                 server.outstanding += 1
+                started = time.monotonic()
                 try:
-                    return await attempt(server)
+                    reply = await attempt(server)
+                    if operation not in _UNTIMED:
+                        server.record(time.monotonic() - started, reply)
+                    return reply
                 except GenerationAborted:
                     aborts += 1
                     log.info("inference_aborted", server=server.base_url, operation=operation,
@@ -240,6 +247,7 @@ class InferencePool:
                     raise
                 except InferenceUnavailable as exc:
                     error = exc
+                    server.failures += 1
                     if isinstance(exc, ServerUnreachable) and self._health_task is not None:
                         self._mark(server, healthy=False, reason=str(exc))
                 finally:

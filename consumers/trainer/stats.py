@@ -1,0 +1,60 @@
+"""``TrainerStats``: what one ``TrainerClient`` did, for the trainer's metrics.
+
+Plain numbers kept in memory (``TrainerClient.stats``); ``ops.role_metrics`` exposes them to
+Prometheus when a trainer serves ``/metrics``. The step is what the SDK can see of it: from
+``next_batch`` returning a batch to that batch's ``ack`` (forward, backward, optimizer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+
+from schemas import ScoredGroup
+from schemas.stats import VERSION_BOUNDS, Histogram
+
+
+class TrainerStats:
+    """Counts and distributions of one client's batches."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        """Batches acked."""
+        self.groups = 0
+        """Groups in acked batches (replays after a resume included)."""
+        self.consumed = 0
+        """Entries counted ``consumed`` by this client's acks (the run-wide counter's
+        share of this client)."""
+        self.tokens = 0
+        """Prompt + completion tokens of the groups in acked batches."""
+        self.wait_seconds = Histogram()
+        """Time spent inside ``next_batch`` per batch returned (waiting for groups)."""
+        self.step_seconds = Histogram()
+        """From a batch handed out to its ``ack``: the training step."""
+        self.staleness = Histogram(VERSION_BOUNDS)
+        """Per acked group: the policy version at ``next_batch`` minus the group's."""
+        # a batch's entries (the sync facade acks a copy of the batch) -> (handed, version)
+        self._handed: dict[Hashable, tuple[float, int]] = {}
+
+    def handed_out(self, entries: Hashable, version: int, waited_s: float) -> None:
+        """``next_batch`` returned the batch of ``entries`` after ``waited_s``, at
+        ``version``."""
+        self.wait_seconds.observe(waited_s)
+        self._handed[entries] = (time.monotonic(), version)
+        if len(self._handed) > 64:  # batches never acked (dropped by the caller)
+            del self._handed[next(iter(self._handed))]
+
+    def acked(self, entries: Hashable, groups: Sequence[ScoredGroup], consumed: int) -> None:
+        """The batch of ``entries`` was acked; ``consumed`` of it counted by this ack."""
+        handed = self._handed.pop(entries, None)
+        if handed is not None:
+            started, version = handed
+            self.step_seconds.observe(time.monotonic() - started)
+            for group in groups:
+                self.staleness.observe(max(0, version - group.policy_version))
+        self.batches += 1
+        self.groups += len(groups)
+        self.consumed += consumed
+        self.tokens += sum(len(g.trajectory.prompt_ids) * len(g.trajectory.completions)
+                           + sum(len(c.completion_ids) for c in g.trajectory.completions)
+                           for g in groups)

@@ -1,0 +1,76 @@
+"""The workers' arq health records: how many worker processes are alive, and their jobs.
+
+Each worker process of a run writes its own record (``producers.worker.HEALTH_KEY``) every
+``HEALTH_INTERVAL_S``, with a TTL one second longer, in arq's format::
+
+    Nov-24 05:31:02 j_complete=12 j_failed=0 j_retried=3 j_ongoing=4 queued=20
+
+so a process that died stops counting within ~11 s. ``rollq status`` and the metrics read
+them with one SCAN over the run's health keys (the control-plane Redis holds them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from producers.worker import HEALTH_KEY
+from schemas.keys import run_key
+
+_FIELD = re.compile(rb"\b(j_complete|j_failed|j_retried|j_ongoing|queued)=(\d+)")
+FIELDS = {"j_complete": "complete", "j_failed": "failed", "j_retried": "retried",
+          "j_ongoing": "running", "queued": "queued"}
+
+
+@dataclass(frozen=True)
+class WorkersHealth:
+    """The live workers of a run, summed over their health records."""
+
+    alive: int
+    """Worker processes whose health record has not expired."""
+    running: int
+    """Jobs running now (arq's ``j_ongoing``)."""
+    complete: int
+    """Jobs that returned, over the live workers' lifetimes (a dead-lettered job returns
+    too: it is settled)."""
+    failed: int
+    """Jobs arq recorded as failed (rollq's job body never lets one fail: a sign of
+    trouble)."""
+    retried: int
+    """Tries that ended in a retry."""
+    queued: int
+    """Jobs waiting in the run's queue, as the last record saw it."""
+
+
+def health_pattern(run: str) -> str:
+    return run_key(run, HEALTH_KEY + "*")
+
+
+def parse_health(records: list[bytes | None]) -> WorkersHealth:
+    """Sum arq health records (None: a key that expired between SCAN and GET)."""
+    sums = dict.fromkeys(FIELDS.values(), 0)
+    alive = 0
+    for record in records:
+        if not record:
+            continue
+        alive += 1
+        fields = {name.decode(): int(value) for name, value in _FIELD.findall(record)}
+        for name, field in FIELDS.items():
+            if field == "queued":  # one queue: every record sees the same one
+                sums[field] = max(sums[field], fields.get(name, 0))
+            else:
+                sums[field] += fields.get(name, 0)
+    return WorkersHealth(alive=alive, **sums)
+
+
+async def read_health(redis: Any, run: str) -> WorkersHealth:
+    """The run's live workers (``redis``: an asyncio client of the control plane)."""
+    keys = [key async for key in redis.scan_iter(match=health_pattern(run), count=1000)]
+    return parse_health(list(await redis.mget(keys)) if keys else [])
+
+
+def read_health_sync(redis: Any, run: str) -> WorkersHealth:
+    """``read_health`` with a blocking client (the metrics exporter's thread)."""
+    keys = list(redis.scan_iter(match=health_pattern(run), count=1000))
+    return parse_health(list(redis.mget(keys)) if keys else [])

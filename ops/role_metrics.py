@@ -1,0 +1,158 @@
+"""What each role adds to its ``/metrics`` (``ops.metrics.RoleMetrics``) besides the
+run-wide series: each ``*_metrics`` returns a function that registers the role's own
+series, read from the role's objects at scrape time.
+
+Series (labels ``run`` and ``role`` on every one):
+
+- workers: ``rollq_worker_jobs_total{outcome=complete|failed|retried}`` (arq's counts of
+  this process; a dead-lettered job *completes*), ``rollq_worker_groups_total{outcome=
+  published|dead_lettered}``, ``rollq_worker_jobs_running``, ``rollq_worker_job_slots``,
+  and per inference server (label ``server``): ``rollq_inference_request_seconds``
+  (histogram of successful generation requests), ``rollq_inference_completion_tokens_total``
+  (tokens/s: its rate), ``rollq_inference_failures_total``,
+  ``rollq_inference_outstanding_requests``, ``rollq_inference_server_up`` (healthy and not
+  paused);
+- feeder: ``rollq_feeder_jobs_admitted_total``, ``rollq_admission_budget`` and
+  ``rollq_admission_outstanding`` (at its last check), ``rollq_feeder_cursor``,
+  ``rollq_feeder_positions``;
+- trainer SDK (``serve_trainer_metrics``): ``rollq_trainer_batches_total``,
+  ``rollq_trainer_groups_total``, ``rollq_trainer_groups_consumed_total``,
+  ``rollq_trainer_tokens_total``, ``rollq_trainer_step_seconds``,
+  ``rollq_trainer_wait_seconds``, ``rollq_trainer_staleness_versions`` (histograms);
+- the gateway: the inference series above and ``rollq_gateway_episodes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from producers.inference import InferencePool
+from producers.worker import DEAD_LETTERED, OUTCOMES, PUBLISHED
+from schemas.stats import Histogram
+
+if TYPE_CHECKING:
+    from arq.worker import Worker
+
+    from consumers.trainer import TrainerClient
+    from ops.metrics import RoleMetrics
+    from producers.feeder import Feeder
+    from producers.inference.server import InferenceServer
+
+Register = Callable[["RoleMetrics"], None]
+
+
+def pool_metrics(pool: Callable[[], InferencePool | None], urls: Sequence[str]) -> Register:
+    """Per-server series of an inference pool (``pool()``: None until it is opened)."""
+
+    def register(metrics: RoleMetrics) -> None:
+        for url in (u.rstrip("/") for u in urls):
+            def server(url: str = url) -> InferenceServer | None:
+                opened = pool()
+                return next((s for s in opened.servers if s.base_url == url), None) \
+                    if opened is not None else None
+
+            def read(attr: str, server: Callable[[], Any] = server) -> Callable[[], float]:
+                return lambda: float(getattr(server(), attr, 0))
+
+            metrics.add_histogram(
+                "rollq_inference_request_seconds", "Seconds of successful generation "
+                "requests, per server", lambda s=server: getattr(s(), "latency", Histogram()),
+                server=url)
+            metrics.add_counter("rollq_inference_completion_tokens", "Tokens generated, per "
+                                "server (its rate is tokens/s)", read("completion_tokens"),
+                                server=url)
+            metrics.add_counter("rollq_inference_failures", "Requests that found the server "
+                                "unavailable (each retry counts)", read("failures"), server=url)
+            metrics.add_gauge("rollq_inference_outstanding_requests", "Requests in flight, "
+                              "per server", read("outstanding"), server=url)
+            metrics.add_gauge("rollq_inference_server_up", "1 while the server is healthy "
+                              "and not paused", lambda s=server: float(
+                                  s() is not None and s().healthy and not s().paused),
+                              server=url)
+
+    return register
+
+
+def worker_metrics(worker: Worker, concurrency: int, urls: Sequence[str]) -> Register:
+    """An arq worker pool's jobs and its inference pool (made in the worker's start-up)."""
+
+    def register(metrics: RoleMetrics) -> None:
+        for outcome in ("complete", "failed", "retried"):
+            metrics.add_counter("rollq_worker_jobs", "Rollout job tries of this process by "
+                                "how they ended (arq's counts: a dead-lettered job completes)",
+                                lambda outcome=outcome: getattr(worker, f"jobs_{outcome}"),
+                                outcome=outcome)
+        for outcome, key in (("published", PUBLISHED), ("dead_lettered", DEAD_LETTERED)):
+            metrics.add_counter("rollq_worker_groups", "Jobs of this process that ended in a "
+                                "published group or a dead letter",
+                                lambda key=key: worker.ctx.get(OUTCOMES, {}).get(key, 0),
+                                outcome=outcome)
+        metrics.add_gauge("rollq_worker_jobs_running", "Jobs this process runs now",
+                          lambda: sum(not task.done() for task in list(worker.tasks.values())))
+        metrics.add_gauge("rollq_worker_job_slots", "Jobs this process may run at once",
+                          lambda: concurrency)
+        pool_metrics(lambda: worker.ctx.get("inference"), urls)(metrics)
+
+    return register
+
+
+def feeder_metrics(feeder: Feeder) -> Register:
+    """A feeder's admissions and the admission rule's last verdict."""
+
+    def register(metrics: RoleMetrics) -> None:
+        def state(attr: str) -> Callable[[], float]:
+            return lambda: float(getattr(feeder.last_state, attr, 0))
+
+        metrics.add_counter("rollq_feeder_jobs_admitted", "Rollout jobs this feeder admitted",
+                            lambda: feeder.admitted)
+        metrics.add_gauge("rollq_admission_budget", "Jobs the admission rule allowed at this "
+                          "feeder's last check (0: generation is max_staleness versions ahead "
+                          "of the trainer, or the epochs are all admitted)",
+                          lambda: feeder.last_budget)
+        metrics.add_gauge("rollq_admission_outstanding", "Admitted groups not yet consumed or "
+                          "dropped (in flight + buffered), at the last check",
+                          state("outstanding"))
+        metrics.add_gauge("rollq_feeder_cursor", "Dataset positions admitted (epoch x items "
+                          "+ item), at the last check", state("cursor"))
+        metrics.add_gauge("rollq_feeder_positions", "Positions of all epochs: where the "
+                          "cursor ends", lambda: feeder.plan.total)
+
+    return register
+
+
+def trainer_metrics(client: TrainerClient) -> Register:
+    """A trainer SDK client's batches, steps and the staleness of what it trained on."""
+    stats = client.stats
+
+    def register(metrics: RoleMetrics) -> None:
+        metrics.add_counter("rollq_trainer_batches", "Batches acked", lambda: stats.batches)
+        metrics.add_counter("rollq_trainer_groups", "Groups in acked batches (replays after "
+                            "a resume included)", lambda: stats.groups)
+        metrics.add_counter("rollq_trainer_groups_consumed", "Entries this trainer's acks "
+                            "counted consumed", lambda: stats.consumed)
+        metrics.add_counter("rollq_trainer_tokens", "Prompt + completion tokens of acked "
+                            "groups", lambda: stats.tokens)
+        metrics.add_histogram("rollq_trainer_step_seconds", "From next_batch returning a "
+                              "batch to its ack: the training step", lambda: stats.step_seconds)
+        metrics.add_histogram("rollq_trainer_wait_seconds", "Time inside next_batch per batch "
+                              "(waiting for groups)", lambda: stats.wait_seconds)
+        metrics.add_histogram("rollq_trainer_staleness_versions", "Policy versions between "
+                              "each trained group and the trainer's version at next_batch",
+                              lambda: stats.staleness)
+
+    return register
+
+
+def serve_trainer_metrics(client: TrainerClient, port: int, *, redis_url: str | None = None,
+                          redis_options: dict[str, Any] | None = None,
+                          host: str = "0.0.0.0") -> tuple[RoleMetrics, int]:
+    """Serve a trainer's ``/metrics`` (its own series, plus the run-wide ones when
+    ``redis_url`` is given) from a background thread; returns the endpoint (``close()`` it)
+    and the port (``port=0``: a free one). For ``SyncTrainerClient`` pass its ``client``."""
+    from ops.metrics import RoleMetrics
+
+    metrics = RoleMetrics("trainer", run=client.run, redis_url=redis_url,
+                          redis_options=redis_options)
+    trainer_metrics(client)(metrics)
+    return metrics, metrics.serve(port, host)
