@@ -19,16 +19,24 @@ Series (labels ``run`` and ``role`` on every one):
   ``rollq_trainer_groups_total``, ``rollq_trainer_groups_consumed_total``,
   ``rollq_trainer_tokens_total``, ``rollq_trainer_step_seconds``,
   ``rollq_trainer_wait_seconds``, ``rollq_trainer_staleness_versions`` (histograms);
-- the gateway: the inference series above and ``rollq_gateway_episodes``.
+- the gateway: the inference series above, ``rollq_gateway_episodes`` (open now) and
+  ``rollq_gateway_episodes_total{outcome=opened|closed|expired}``.
+
+The HTTP roles (the Atropos API, the gateway) answer ``GET /metrics`` on their own port
+(``add_metrics_route``); the others serve it with ``--metrics-port``.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fastapi import FastAPI, Response
+
 from producers.inference import InferencePool
 from producers.worker import DEAD_LETTERED, OUTCOMES, PUBLISHED
+from schemas import ConfigError
 from schemas.stats import Histogram
 
 if TYPE_CHECKING:
@@ -37,6 +45,7 @@ if TYPE_CHECKING:
     from consumers.trainer import TrainerClient
     from ops.metrics import RoleMetrics
     from producers.feeder import Feeder
+    from producers.inference.capture import CaptureHub
     from producers.inference.server import InferenceServer
 
 Register = Callable[["RoleMetrics"], None]
@@ -156,3 +165,38 @@ def serve_trainer_metrics(client: TrainerClient, port: int, *, redis_url: str | 
                           redis_options=redis_options)
     trainer_metrics(client)(metrics)
     return metrics, metrics.serve(port, host)
+
+
+def gateway_metrics(hub: Callable[[], CaptureHub | None], urls: Sequence[str]) -> Register:
+    """The gateway's episodes and its inference pool (``hub()``: None before start-up)."""
+
+    def register(metrics: RoleMetrics) -> None:
+        metrics.add_gauge("rollq_gateway_episodes", "Episodes open now",
+                          lambda: len(getattr(hub(), "episodes", ())))
+        for outcome in ("opened", "closed", "expired"):
+            metrics.add_counter("rollq_gateway_episodes", "Episodes by what happened to them",
+                                lambda outcome=outcome: getattr(hub(), outcome, 0),
+                                outcome=outcome)
+        pool_metrics(lambda: getattr(getattr(hub(), "upstream", None), "pool", None),
+                     urls)(metrics)
+
+    return register
+
+
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def add_metrics_route(app: FastAPI, make: Callable[[], RoleMetrics]) -> None:
+    """``GET /metrics`` on an HTTP role's own server. The endpoint is made at the first
+    scrape (``make``), and rendered in a thread: the run-wide series read Redis with a
+    blocking client. Without the ``metrics`` extra the route answers 501."""
+    made: list[RoleMetrics] = []
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        try:
+            if not made:
+                made.append(make())
+        except ConfigError as exc:
+            return Response(str(exc), status_code=501, media_type="text/plain")
+        return Response(await asyncio.to_thread(made[0].render), media_type=PROMETHEUS_TEXT)

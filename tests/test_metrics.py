@@ -21,7 +21,11 @@ from structlog.testing import capture_logs
 
 from bench.workers import FakeServerProcess
 from consumers.trainer import TrainerClient, TrainerClientSettings
+from ops.atropos.app import create_app as create_atropos_app
+from ops.atropos.settings import AtroposApiSettings
 from ops.cli import main
+from ops.gateway.app import create_app as create_gateway_app
+from ops.gateway.settings import GatewaySettings
 from ops.health import parse_health
 from ops.role_metrics import serve_trainer_metrics
 from ops.roles import run_scorer
@@ -30,7 +34,9 @@ from ops.stack import free_port
 from producers.publisher import Publisher
 from schemas import decode_trajectory
 from schemas.keys import stream_key
+from tests.atropos.helpers import REGISTRATION, atropos_group, env_registration
 from tests.factories import make_group
+from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
 
 RUN = "metrics"
@@ -256,3 +262,47 @@ def test_arq_health_records_are_summed() -> None:
     health = parse_health(records)
     assert (health.alive, health.complete, health.failed, health.retried, health.running,
             health.queued) == (2, 17, 1, 3, 6, 20)
+
+
+async def test_the_http_roles_answer_metrics_on_their_own_port(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """The Atropos API and the gateway serve ``GET /metrics`` beside their routes."""
+    run = "httpmetrics"
+    api = create_atropos_app(AtroposApiSettings(run=run, redis_url=redis_server.url),
+                             redis=real_redis)
+    async with api.router.lifespan_context(api), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api), base_url="http://atropos.test") as client:
+        await client.post("/register", json=REGISTRATION)
+        await client.post("/register-env", json=env_registration())
+        for marker in (1, 2, 3):
+            assert (await client.post("/scored_data",
+                                      json=atropos_group(marker))).status_code == 200
+        reply = await client.get("/metrics")
+    assert reply.status_code == 200
+    found = samples(reply.text)
+    assert value(found, "rollq_role_info", role="atropos-api", run=run) == 1
+    assert value(found, "rollq_stream_entries", stream="scored", partition="0") == 3
+    assert value(found, "rollq_redis_up") == 1
+
+    fake = FakeVLLM()
+    gateway = create_gateway_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny"),
+                                 transport=fake_transport(fake))
+    async with gateway.router.lifespan_context(gateway), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=gateway), base_url="http://gw.test") as client:
+        episode = (await client.post("/episodes")).json()["episode_id"]
+        answer = (await client.post(f"/episodes/{episode}/v1/completions", json={
+            "model": "rollq-tiny", "prompt": "2+2=", "max_tokens": 8,
+            "return_token_ids": True})).json()
+        await client.post(f"/episodes/{episode}/close")
+        await client.post("/episodes")  # left open
+        reply = await client.get("/metrics")
+    found = samples(reply.text)
+    server = fake.base_url.rstrip("/")
+    assert value(found, "rollq_role_info", role="gateway") == 1
+    assert value(found, "rollq_gateway_episodes") == 1
+    assert value(found, "rollq_gateway_episodes_total", outcome="opened") == 2
+    assert value(found, "rollq_gateway_episodes_total", outcome="closed") == 1
+    assert value(found, "rollq_inference_request_seconds_count", server=server) == 1
+    assert value(found, "rollq_inference_completion_tokens_total", server=server) == len(
+        answer["choices"][0]["token_ids"])
+    assert not any(name == "rollq_redis_up" for name, _ in found)  # it uses no Redis

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gzip
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
@@ -49,8 +49,12 @@ from ops.atropos.models import (
 from ops.atropos.pieces import compress, gzip_chunks, raw_chunks, raw_length
 from ops.atropos.settings import AtroposApiSettings
 from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
+from ops.role_metrics import add_metrics_route
 from schemas import ContractError, TransientError
 from schemas.failures import classify
+
+if TYPE_CHECKING:
+    from ops.metrics import RoleMetrics
 
 log = structlog.get_logger("rollq.atropos")
 
@@ -162,6 +166,14 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
     return model.model_validate_json(await request.body())
 
 
+def _metrics(settings: AtroposApiSettings) -> RoleMetrics:
+    from ops.connections import redis_options
+    from ops.metrics import RoleMetrics
+
+    return RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
+                       redis_options=redis_options(settings))
+
+
 def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = None,
                transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
     """The API for ``settings.run``. ``redis`` (tests) is used instead of opening a client
@@ -224,6 +236,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
         return _problem(404, str(exc))
 
     add_inference_routes(app)
+    add_metrics_route(app, lambda: _metrics(settings))
 
     @app.get("/")
     async def root() -> dict[str, str]:

@@ -13,15 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from ops.gateway.settings import GatewaySettings
+from ops.role_metrics import add_metrics_route, gateway_metrics
 from producers.inference import InferencePool
 from producers.inference.capture import CaptureHub, Upstream
+
+if TYPE_CHECKING:
+    from ops.metrics import RoleMetrics
 
 
 def create_app(settings: GatewaySettings, *,
@@ -44,6 +48,7 @@ def create_app(settings: GatewaySettings, *,
                 await asyncio.gather(sweeper, return_exceptions=True)
 
     app = FastAPI(title="rollq gateway", lifespan=lifespan)
+    add_metrics_route(app, lambda: _metrics(app, settings))
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def route(request: Request, path: str) -> Any:
@@ -56,6 +61,14 @@ def create_app(settings: GatewaySettings, *,
                         media_type="application/json")
 
     return app
+
+
+def _metrics(app: FastAPI, settings: GatewaySettings) -> RoleMetrics:
+    from ops.metrics import RoleMetrics
+
+    metrics = RoleMetrics("gateway", run=settings.run, redis_url=None)  # it uses no Redis
+    gateway_metrics(lambda: getattr(app.state, "hub", None), settings.inference)(metrics)
+    return metrics
 
 
 async def _expire(hub: CaptureHub, interval_s: float) -> None:

@@ -56,14 +56,19 @@ class InferenceServer:
 
     def record(self, seconds: float, reply: Any) -> None:
         """Count a successful generation: its latency and the tokens it generated (a list
-        of ``Sample``, or an OpenAI body with ``usage.completion_tokens``)."""
+        of ``Sample``, or an OpenAI body: ``usage.completion_tokens``, else its choices'
+        ``token_ids``)."""
         self.latency.observe(seconds)
         if isinstance(reply, list):
             self.completion_tokens += sum(len(sample.completion_ids) for sample in reply
                                           if isinstance(sample, Sample))
-        elif isinstance(reply, dict) and isinstance(reply.get("usage"), dict):
-            tokens = reply["usage"].get("completion_tokens")
-            self.completion_tokens += tokens if isinstance(tokens, int) else 0
+        elif isinstance(reply, dict):
+            usage = reply.get("usage")
+            tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            if not isinstance(tokens, int):
+                tokens = sum(len(choice.get("token_ids") or ()) for choice in
+                             reply.get("choices") or () if isinstance(choice, dict))
+            self.completion_tokens += tokens
 
     def __repr__(self) -> str:
         return (f"InferenceServer({self.base_url!r}, outstanding={self.outstanding}, "
