@@ -1,6 +1,7 @@
 """Gateway overhead: the same agent workload through ``rollq gateway`` vs straight to vLLM.
 
     python -m bench.gateway [--episodes 16] [--concurrency 4] [--max-tokens 32] [--runs 3]
+                            [--vllm-python .venv-vllm/bin/python]
 
 A real CPU vLLM server (the tiny model, with ``--enable-auto-tool-choice --tool-call-parser
 hermes`` and a chat template that renders tools) serves a calculator agent written with the
@@ -194,11 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="episodes at once (4)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per call (32)")
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each (3)")
-    parser.add_argument("--vllm-python", default=os.environ.get("ROLLQ_TEST_VLLM_PYTHON"),
-                        help="python of a venv with vLLM [ROLLQ_TEST_VLLM_PYTHON]")
+    parser.add_argument("--vllm-python", default=os.environ.get("ROLLQ_TEST_VLLM_PYTHON")
+                        or ".venv-vllm/bin/python",
+                        help="python of a venv with vLLM [ROLLQ_TEST_VLLM_PYTHON, else "
+                        ".venv-vllm/bin/python, what .ci/setup.sh makes]")
     args = parser.parse_args(argv)
-    if not args.vllm_python:
-        parser.error("give --vllm-python or set ROLLQ_TEST_VLLM_PYTHON")
+    if not Path(args.vllm_python).exists():
+        parser.error(f"no vLLM interpreter at {args.vllm_python}: give --vllm-python or set "
+                     "ROLLQ_TEST_VLLM_PYTHON")
     report(run_bench(args))
     return 0
 

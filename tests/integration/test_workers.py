@@ -76,8 +76,10 @@ async def test_multi_turn_episode_masks_env_tokens(
     await enqueue_rollout(queue, RUN, "guess", 0)
     await queue.aclose()
     recorder = RecordingTransport()
+    # the random model's 8-token replies are cut (finish_reason length): sent to the env
+    # anyway, so the episodes go on and have observations to mask
     arq_worker = worker(redis_server.url, vllm_server, "guess", transport=recorder,
-                        max_tokens=8, max_guesses=3)
+                        max_tokens=8, max_guesses=3, truncated_turn="send")
     await arq_worker.main()  # type: ignore[attr-defined]
     await arq_worker.close()  # type: ignore[attr-defined]
     (group,) = await traj_groups(real_redis)
