@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     parser.add_argument("--metrics", help="JSONL file: one line per step")
     parser.add_argument("--consumer", default="trainer-0")
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(os.environ["ROLLQ_METRICS_PORT"])
+                        if os.environ.get("ROLLQ_METRICS_PORT") else None,
+                        help="serve Prometheus /metrics here (the 'metrics' extra)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -174,6 +178,10 @@ def train(args: argparse.Namespace) -> int:
     metrics = open(args.metrics, "a") if args.metrics else None
     with SyncTrainerClient(args.redis_url, run=args.run, consumer=args.consumer,
                            settings=settings) as client:
+        if args.metrics_port is not None:  # steps, staleness, consumed + the run's series
+            from ops.role_metrics import serve_trainer_metrics
+
+            serve_trainer_metrics(client.client, args.metrics_port, redis_url=args.redis_url)
         step = 0
         if args.resume and checkpoint.exists():
             saved = torch.load(checkpoint, weights_only=False)
