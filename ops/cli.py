@@ -19,6 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
+import structlog
 
 from ops.logging import configure_logging, say_error, uses_json
 from ops.settings import CommonSettings, load_settings, redact_url
@@ -73,6 +74,9 @@ def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str,
                    "metrics_port": getattr(args, "metrics_port", None), **overrides},
     )
     configure_logging(settings.log_format, settings.log_level)
+    # Every line the command writes carries its run (the handler runs in its own task
+    # context, so this binding ends with it).
+    structlog.contextvars.bind_contextvars(run=settings.run)
     args.settings = settings
     return settings
 

@@ -54,6 +54,9 @@ async def test_every_stderr_line_is_json(real_redis: aioredis.Redis, redis_serve
     assert code == 0 and out == b""
     events = json_lines(err)
     assert {"scorer_started", "group_scored"} <= {e["event"] for e in events}
+    assert all(e.get("run") == RUN for e in events)  # every line names its run
+    assert {e["group_id"] for e in events if e["event"] == "group_scored"} == {
+        f"g{i}" for i in range(3)}
     # arq (a standard-library logger) goes through the same renderer: a feeder whose
     # Redis is down logs arq's connection warnings, then the one-line failure.
     code, out, err = await run_role(
@@ -69,7 +72,8 @@ async def test_passwords_never_reach_the_log(redis_server: RedisServer) -> None:
     url = "redis://someone:hunter2secret@127.0.0.1:1/0"
     env = {**os.environ, "ROLLQ_RUN": RUN, "ROLLQ_LOG_FORMAT": "json"}
     for argv in (["status", "--redis-url", url], ["feed", "--redis-url", url],
-                 ["score", "--burst", "--redis-url", url]):
+                 ["score", "--burst", "--redis-url", url],
+                 ["workers", "--redis-url", url, "--inference", "http://127.0.0.1:9"]):
         code, out, err = await run_role(argv, env)
         assert code == 69
         assert b"hunter2secret" not in out + err, (argv, err[-500:])
