@@ -26,7 +26,7 @@ from ops.stack import VllmProcess
 from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
 from producers.inference.capture import RemoteGateway
 from schemas import TrajectoryGroup
-from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow
+from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow, RewritingEnv
 from tests.agents.helpers import served, trainable_runs
 from tests.agents.pipeline import run_workers, score_and_train
 from tests.integration.recording import RecordingTransport
@@ -115,3 +115,25 @@ async def test_calculator_agent_on_real_vllm_episode_api_and_gateway(
     batch = await score_and_train(real_redis, groups)
     assert len(batch.groups) == 1
     print(f"text-path drift over the episode-API run: {drift} calls")
+
+
+async def test_a_context_rewriting_agent_on_real_vllm_makes_two_sequences_per_episode(
+        tool_vllm: VllmProcess, redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    recorder = RecordingTransport()
+    groups = await run_workers(redis_server.url, real_redis, ClientEpisodeEnv(RewritingEnv()),
+                               None, [0], inference_url=tool_vllm.url, transport=recorder)
+    [group] = groups
+    replies = [reply for path, _, reply in recorder.exchanges if path in GENERATION]
+    assert len(replies) == 8  # 2 episodes x 4 calls
+    runs = sorted(run for c in group.completions for run in trainable_runs(c))
+    assert runs == sorted(served(reply) for reply in replies)  # id for id, logprob for logprob
+    infos = [(c.info["episode"], c.info["sequence"], c.info["sequences"], c.info["calls"])
+             for c in group.completions]
+    assert infos == [(0, 0, 2, [0, 1]), (0, 1, 2, [2, 3]), (1, 0, 2, [0, 1]),
+                     (1, 1, 2, [2, 3])]
+    for completion in group.completions:
+        own = completion.info["prompt_tokens"]
+        assert completion.loss_mask[:own].tolist() == [0] * own  # its own prompt, masked
+        assert 0 in completion.loss_mask[own:].tolist()  # the "next" turn between its calls
+    batch = await score_and_train(real_redis, groups)
+    assert [len(scored.trajectory.completions) for scored in batch.groups] == [4]
