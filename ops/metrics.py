@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import orjson
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from ops.connections import CLUSTER_SCHEMES
 from ops.health import read_health_sync
@@ -75,16 +76,23 @@ class RunCollector:
                  queue_url: str | None = None,
                  queue_options: dict[str, Any] | None = None) -> None:
         self.run = run
+        self._connect = (redis_url, redis_options)
+        self._connect_queue = None if queue_url is None else (queue_url, queue_options)
         # Any: redis-py types every command as `Awaitable[T] | T`, sync client or not.
-        self.client: Any = _sync_client(redis_url, redis_options)
-        self.queue: Any = None if queue_url is None else _sync_client(queue_url, queue_options)
+        # Made at the first scrape: a cluster client connects when made.
+        self.client: Any = None
+        self.queue: Any = None
 
     def collect(self) -> Iterator[Any]:
         up = GaugeMetricFamily("rollq_redis_up", "1 when the last scrape could read Redis",
                                labels=["run"])
         try:
+            if self.client is None:
+                self.client = _sync_client(*self._connect)
+            if self.queue is None and self._connect_queue is not None:
+                self.queue = _sync_client(*self._connect_queue)
             families = list(self._families())
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException, OSError):
             up.add_metric([self.run], 0.0)
             yield up
             return

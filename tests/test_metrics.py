@@ -27,6 +27,7 @@ from ops.cli import main
 from ops.gateway.app import create_app as create_gateway_app
 from ops.gateway.settings import GatewaySettings
 from ops.health import parse_health
+from ops.metrics import RoleMetrics
 from ops.role_metrics import serve_trainer_metrics
 from ops.roles import run_scorer
 from ops.settings import ScorerSettings
@@ -306,3 +307,11 @@ async def test_the_http_roles_answer_metrics_on_their_own_port(
     assert value(found, "rollq_inference_completion_tokens_total", server=server) == len(
         answer["choices"][0]["token_ids"])
     assert not any(name == "rollq_redis_up" for name, _ in found)  # it uses no Redis
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1"])
+def test_a_scrape_while_redis_is_away_reports_it_instead_of_failing(url: str) -> None:
+    metrics = RoleMetrics("scorer", run="away", redis_url=url, queue_url="redis://127.0.0.1:1/0")
+    found = samples(metrics.render().decode())
+    assert value(found, "rollq_redis_up", run="away") == 0
+    assert value(found, "rollq_role_info", role="scorer") == 1
