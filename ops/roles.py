@@ -45,7 +45,7 @@ from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
-from schemas import BrokerUnavailable, ConfigError
+from schemas import BrokerUnavailable
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
 from schemas.outage import OutageRider
 
@@ -188,10 +188,9 @@ async def serve_metrics(settings: CommonSettings, role: str, lag: LoopLagMonitor
         return
     from ops.metrics import RoleMetrics
 
-    try:  # the control plane, for the workers' health series
-        queue: str | None = queue_url(settings)
-    except ConfigError:  # a cluster redis_url without queue_url (a scorer needs none)
-        queue = None
+    queue: str | None = None
+    if role in ("workers", "feeder"):  # the workers' health series: a SCAN of the queue's
+        queue = queue_url(settings)     # server, left to the roles that use it anyway
     metrics = RoleMetrics(role, run=settings.run, redis_url=settings.redis_url,
                           redis_options=redis_options(settings), queue_url=queue,
                           queue_options=queue_options(settings) if queue else None)

@@ -199,7 +199,7 @@ async def test_every_role_serves_metrics_that_count_what_happened(
             endpoint, trainer_port = serve_trainer_metrics(client, 0,
                                                            redis_url=redis_server.url)
             try:
-                batch = await client.next_batch(groups=4, timeout_s=120)
+                batch = await client.next_batch(groups=4, timeout_s=90)
                 assert len(batch) == 4
                 await batch.ack()
                 trainer = await scrape(trainer_port)
