@@ -325,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of bare, rollq, control")
     parser.add_argument("--report", type=Path, help="print the table of a results.json")
     args = parser.parse_args(argv)
+    from ops.logging import configure_logging
+
+    configure_logging("console", "warning")  # not a line per request of the bare loop
     if args.report:
         report(json.loads(args.report.read_text()))
         return 0
