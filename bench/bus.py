@@ -39,6 +39,7 @@ consuming, ``used_memory`` before/after and ``MEMORY USAGE`` of the stream, per 
 token; for rollq also the scored stream after a Stage forwarded them.
 
 Run from the repository root:  python -m bench.bus  [--groups 300 --runs 9 --mode both]
+With ``--cluster``: a local Redis Cluster vs one node instead (``bench.bus_cluster``).
 """
 
 from __future__ import annotations
@@ -481,6 +482,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="groups buffered for the memory measurement (default 100)")
     parser.add_argument("--no-two-hop", action="store_true",
                         help="skip the raw two-hop context variant")
+    parser.add_argument("--cluster", action="store_true",
+                        help="instead: a local Redis Cluster (3 masters + 3 replicas) vs one "
+                        "node, same workload (bench.bus_cluster)")
+    parser.add_argument("--partitions", type=int, default=6,
+                        help="partitions of the run with --cluster (default 6)")
     parser.add_argument("--profile", metavar="FILE",
                         help="cProfile one extra loop-mode rollq run and write the stats to FILE")
     return parser.parse_args(argv)
@@ -518,6 +524,10 @@ def _table(mode: str, results: dict[str, list[Result]], args: argparse.Namespace
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    if args.cluster:
+        from bench.bus_cluster import main_cluster
+
+        return await main_cluster(args)
     print(f"building {args.groups} groups of {args.group_size} x {args.seq_len} tokens ...",
           flush=True)
     groups = make_groups(args.groups, args.group_size, args.seq_len, args.text_bytes)

@@ -73,6 +73,13 @@ class ClusterClient(RedisCluster):
                 f"redis cluster unavailable: cannot read its topology: {exc}") from exc
         return self
 
+    async def aclose(self) -> None:
+        """Close every connection. Unlike redis-py's, also when a topology refresh is due:
+        a command that raced the refresh may have opened connections since."""
+        await super().aclose()
+        await self.nodes_manager.aclose()
+        await self.nodes_manager.aclose("startup_nodes")
+
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         with _outage_errors():
             if (self.wait_replicas and "target_nodes" not in kwargs

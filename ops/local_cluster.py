@@ -1,8 +1,10 @@
-"""A real local Redis Cluster for the tests: 3 masters + 3 replicas on loopback ports.
+"""A real local Redis Cluster for tests and benchmarks: 3 masters + 3 replicas on loopback
+ports.
 
-``RedisCluster(directory).start()`` starts six ``redis-server --cluster-enabled yes``
-processes (AOF on, ``appendfsync everysec``), joins them with ``redis-cli --cluster create
-... --cluster-replicas 1`` and waits until every node reports ``cluster_state:ok``.
+``LocalCluster(directory).start()`` starts six ``redis-server --cluster-enabled yes``
+processes (AOF on, ``appendfsync everysec``; ``appendonly=False``: no persistence), joins
+them with ``redis-cli --cluster create ... --cluster-replicas 1`` and waits until every node
+reports ``cluster_state:ok``.
 ``kill_master(slot)`` SIGKILLs the master that owns a slot and waits until its replica has
 been promoted (the cluster's own failover, ``cluster-node-timeout`` 1 s here).
 """
@@ -39,9 +41,10 @@ def _free(port: int) -> bool:
 
 
 @dataclass
-class ClusterNode:
+class LocalNode:
     port: int
     directory: Path
+    appendonly: bool = True
     process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -49,7 +52,8 @@ class ClusterNode:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
              "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", "1000", "--appendonly", "yes",
+             "--cluster-node-timeout", "1000",
+             "--appendonly", "yes" if self.appendonly else "no",
              # a replica may always take over (the default refuses one whose link to the
              # master has been down for a while: after a long test pause, say)
              "--cluster-replica-validity-factor", "0",
@@ -94,26 +98,36 @@ def _cli(port: int, *args: str) -> str:
 
 
 @dataclass
-class RedisCluster:
+class LocalCluster:
     directory: Path
     masters: int = 3
     replicas_per_master: int = 1
-    nodes: list[ClusterNode] = field(default_factory=list)
+    appendonly: bool = True
+    nodes: list[LocalNode] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         """A seed URL (any node); rollq's cluster scheme, see ``ops.settings``."""
         return f"redis+cluster://127.0.0.1:{self.live_ports()[0]}/0"
 
+    def primaries(self) -> list[int]:
+        """Ports of the masters now serving slots."""
+        ports = []
+        for line in _cli(self.live_ports()[0], "cluster", "nodes").splitlines():
+            parts = line.split()
+            if "master" in parts[2] and "fail" not in parts[2] and len(parts) > 8:
+                ports.append(int(parts[1].split("@")[0].rsplit(":", 1)[1]))
+        return sorted(ports)
+
     def live_ports(self) -> list[int]:
         return [n.port for n in self.nodes if n.process is not None]
 
-    def start(self) -> RedisCluster:
+    def start(self) -> LocalCluster:
         if shutil.which("redis-cli") is None:
             raise RuntimeError("redis-cli is not installed")
         count = self.masters * (1 + self.replicas_per_master)
-        self.nodes = [ClusterNode(cluster_port(), self.directory / f"node-{i}")
-                      for i in range(count)]
+        self.nodes = [LocalNode(cluster_port(), self.directory / f"node-{i}",
+                                  appendonly=self.appendonly) for i in range(count)]
         for node in self.nodes:
             node.start()
         subprocess.run(
@@ -149,7 +163,7 @@ class RedisCluster:
             len(self.nodes) - len(self.live_ports()))
             and all("master_link_status:up" in i for i in replicas))
 
-    def master_of(self, slot: int) -> ClusterNode:
+    def master_of(self, slot: int) -> LocalNode:
         for line in _cli(self.live_ports()[0], "cluster", "nodes").splitlines():
             parts = line.split()
             if "master" not in parts[2] or "fail" in parts[2]:
@@ -161,7 +175,7 @@ class RedisCluster:
                     return next(n for n in self.nodes if n.port == port)
         raise LookupError(f"no master serves slot {slot}")
 
-    def kill_master(self, slot: int) -> ClusterNode:
+    def kill_master(self, slot: int) -> LocalNode:
         """SIGKILL the master of ``slot``; returns it once its replica took over."""
         victim = self.master_of(slot)
         victim.kill()

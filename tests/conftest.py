@@ -14,7 +14,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 
-from tests.redis_cluster import RedisCluster
+from ops.local_cluster import LocalCluster
 from tests.redis_server import RedisServer
 from tests.redis_tls import TlsRedis
 
@@ -47,18 +47,18 @@ async def redis(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A real local Redis Cluster (3 masters + 3 replicas), shared by the session's tests;
     a test that kills a node uses ``fresh_redis_cluster``."""
-    cluster = RedisCluster(tmp_path_factory.mktemp("cluster")).start()
+    cluster = LocalCluster(tmp_path_factory.mktemp("cluster")).start()
     yield cluster
     cluster.stop()
 
 
 @pytest.fixture
-def fresh_redis_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+def fresh_redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     """A cluster of the test's own, to kill nodes in."""
-    cluster = RedisCluster(tmp_path / "cluster").start()
+    cluster = LocalCluster(tmp_path / "cluster").start()
     yield cluster
     cluster.stop()
 
