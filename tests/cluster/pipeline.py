@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 import structlog
+from structlog.testing import capture_logs
 
 from consumers.trainer import TrainerClient, TrainerClientSettings
 from ops.connections import open_queue_redis, open_redis
@@ -37,6 +38,8 @@ class Outcome:
     trained: Counter[str] = field(default_factory=Counter)
     status: RunStatus | None = None
     failovers: int = 0
+    outages: dict[str, int] = field(default_factory=dict)
+    """``redis_outage_ended`` log lines by role: the outages the roles rode out."""
 
 
 def write_dataset(path: Path, items: int) -> Path:
@@ -52,6 +55,15 @@ async def run_pipeline(tmp_path: Path, *, data_url: str, queue_url: str, run: st
     """Feed ``items`` groups through every role; ``mid_run`` is awaited (while the roles
     keep running) once ``at_trained`` groups were trained. Returns when the feeder has
     admitted everything and no group is in flight any more (``rollq status`` accounting)."""
+    with contextlib.ExitStack() as stack:
+        outcome = await _run(stack, tmp_path, data_url=data_url, queue_url=queue_url, run=run,
+                             items=items, mid_run=mid_run, at_trained=at_trained, **common)
+        return outcome
+
+
+async def _run(stack: contextlib.ExitStack, tmp_path: Path, *, data_url: str, queue_url: str,
+               run: str, items: int, mid_run: Callable[[], Awaitable[None]] | None,
+               at_trained: int, **common: Any) -> Outcome:
     source = write_dataset(tmp_path / "items.jsonl", items)
     reward = tmp_path / "reward.yaml"
     reward.write_text(REWARD)
@@ -72,6 +84,7 @@ async def run_pipeline(tmp_path: Path, *, data_url: str, queue_url: str, run: st
     settings = CommonSettings(**shared)
     data, queue = open_redis(settings), open_queue_redis(settings)
     outcome = Outcome(admitted=0, expected_ids=set())
+    logs = stack.enter_context(capture_logs())
     rider = OutageRider(give_up_s=120.0, what="status", log=structlog.get_logger("test"))
     try:
         async with TrainerClient(data, run=run, consumer="t0", settings=TrainerClientSettings(
@@ -108,6 +121,8 @@ async def run_pipeline(tmp_path: Path, *, data_url: str, queue_url: str, run: st
         await data.aclose()
         await queue.aclose()
     assert outcome.status is not None
+    outcome.outages = dict(Counter(str(e.get("role")) for e in logs
+                                   if e["event"] == "redis_outage_ended"))
     outcome.admitted = outcome.status.admitted
     outcome.expected_ids = {job_id(run, "gsm8k", p) for p in range(outcome.admitted)}
     return outcome

@@ -50,6 +50,8 @@ async def test_a_master_killed_mid_run_loses_nothing_silently(
                                  run=run, items=ITEMS, mid_run=failover, at_trained=12,
                                  wait_replicas=wait_replicas)
     assert outcome.failovers == 1 and killed
+    # the failover hit the roles mid-run, and they rode it out by themselves
+    assert outcome.outages, "no role saw the failover"
     assert outcome.admitted == ITEMS
     status = outcome.status
     assert status is not None and status.accounting is not None
@@ -62,5 +64,7 @@ async def test_a_master_killed_mid_run_loses_nothing_silently(
     assert len(missing) == status.accounting.unaccounted, (missing, status.as_dict())
     if wait_replicas:
         assert not missing
+    print(f"outages ridden out by role: {outcome.outages}; trained {len(outcome.trained)}, "
+          f"dead {len(dead)}, reported lost {status.accounting.unaccounted}")
     assert status.counters.get("consumed", 0) + sum(status.drops.values()) >= (
         ITEMS - len(missing))
