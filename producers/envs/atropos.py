@@ -7,7 +7,7 @@ ROLL's execution bridge, for atroposlib 0.4.0's ``BaseEnv``: rollq keeps the con
   ``BaseEnv`` subclass); its ``config_init()`` gives the config, ``options`` override its
   fields (``tokenizer_name=…``, ``max_token_length=…``: any field of the env's config
   class); ``group_size`` is the worker's ``--group-size``; wandb is off. Adapter options:
-  ``name`` (the env's name on the wire; default the class's ``name``), ``items`` (how many
+  ``env_name`` (the env's name on the wire; default the class's ``name``), ``items`` (how many
   items the feeder counts per epoch; default 10^9, the env's source is a stream).
 - **Items**: atroposlib envs draw items from a stateful ``get_next_item()``, so the env is a
   ``DrawingEnv``: the runner records the drawn item per job (``producers.drawn``) and a
@@ -393,9 +393,19 @@ class AtroposEnv:
         messages = group.get("messages")
         return Rollout(
             prompt_ids=sequences.prompt_ids.tolist(), completions=list(sequences.completions),
-            prompt_messages=list(messages[0][:1]) if messages and messages[0] else None,
+            prompt_messages=_prompt_messages(messages[0]) if messages else None,
             metadata={"atropos": sequences.atropos, "item": item.fields["item"],
                       "model_calls": len(job.versions)})
+
+
+def _prompt_messages(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages before the first assistant message (the shared prompt, for humans)."""
+    head = []
+    for message in conversation:
+        if message.get("role") == "assistant":
+            break
+        head.append(dict(message))
+    return head or None
 
 
 def _one_group(scored: Any) -> dict[str, Any]:
@@ -421,7 +431,7 @@ def _unwrapped(exc: BaseException) -> BaseException:
     return inner if isinstance(inner, BaseException) else exc
 
 
-def atropos_env(spec: str, *, name: str | None = None, items: int = DEFAULT_ITEMS,
+def atropos_env(spec: str, *, env_name: str | None = None, items: int = DEFAULT_ITEMS,
                 **options: Any) -> AtroposEnv:
     """The env of ``spec`` (``package.module:EnvClass``) with its config fields in
     ``options`` (module docstring). Raises ``ConfigError`` when atroposlib is missing, the
@@ -442,11 +452,11 @@ def atropos_env(spec: str, *, name: str | None = None, items: int = DEFAULT_ITEM
     unknown = sorted(set(options) - set(type(config).model_fields))
     if unknown:
         raise ConfigError(f"{spec!r}: {unknown} are not fields of {type(config).__name__} "
-                          f"(nor the adapter's options name, items)")
+                          f"(nor the adapter's options env_name, items)")
     try:
         config = type(config).model_validate({**config.model_dump(), **options,
                                               "use_wandb": False})
     except ValueError as exc:
         raise ConfigError(f"bad options for Atropos env {spec!r}: {exc}") from exc
     return AtroposEnv(env_class=env_class, config=config,
-                      name=name or loaded.name or env_class.__name__, items=items)
+                      name=env_name or loaded.name or env_class.__name__, items=items)

@@ -26,6 +26,8 @@ then fails to JSON-encode its group and never posts it).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import sys
@@ -141,7 +143,23 @@ def _partial(reply: str, right: int) -> float:
     return sum(c.isdigit() for c in reply) / max(1, len(reply)) / 2
 
 
+def posted_digest(tokens: list[list[int]]) -> str:
+    """What identifies a group across the wire: a digest of its sequences' tokens."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+
+
 class _ManagedEnv(_Env):
+    async def _send_scored_data_to_api(self, scored_data: Any) -> None:
+        """atroposlib's post; then, when it did not raise (the API answered), the group's
+        digest is appended to ``$ROLLQ_TEST_POSTED``: what the API acknowledged."""
+        await super()._send_scored_data_to_api(scored_data)
+        path = os.environ.get("ROLLQ_TEST_POSTED")
+        if path:
+            groups = scored_data if isinstance(scored_data, list) else [scored_data]
+            with open(path, "a") as out:  # noqa: ASYNC230  a few bytes, test bookkeeping
+                for group in groups:
+                    out.write(posted_digest(group["tokens"]) + "\n")
+
     @classmethod
     def config_init(cls) -> tuple[BaseEnvConfig, list[APIServerConfig]]:
         config, _ = super().config_init()
@@ -198,9 +216,27 @@ class ManagedTwoStepEnv(_ManagedEnv):
                               messages=chat), []
 
 
+class FilteringEnv(ManagedSumsEnv):
+    """Catches every error and filters every item (returns no group), as atroposlib's own
+    ``handle_env`` swallows errors: for the worker adapter's failure tests."""
+
+    name = "filtering"
+
+    async def collect_trajectories(self, item: tuple[int, int]) -> tuple[None, list]:
+        try:
+            await super().collect_trajectories(item)
+        except Exception:  # what atroposlib envs do
+            pass
+        return None, []
+
+
 ENVS: dict[str, type[_Env]] = {"sums": SumsEnv, "two_step": TwoStepEnv,
                                "managed_sums": ManagedSumsEnv,
                                "managed_two_step": ManagedTwoStepEnv}
 
 if __name__ == "__main__":
+    if os.environ.get("ROLLQ_TEST_ENV_LOG"):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     ENVS[sys.argv.pop(1)].cli()

@@ -120,4 +120,4 @@ class ApiProcess(Process):
 
     def start(self) -> None:
         super().start()
-        until(lambda: httpx.get(f"{self.url}/info", timeout=1).status_code == 200)
+        until(lambda: httpx.get(f"{self.url}/info", timeout=1).status_code == 200, 120)
