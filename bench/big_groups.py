@@ -179,11 +179,13 @@ async def part_a(url: str, args: argparse.Namespace, shape: Shape, bridge: Rewar
         ["used_memory growth, published + scored", memory["used_scored"],
          memory["used_scored"] / tokens],
     ]
-    print_table(["what", "bytes", "bytes per token"], rows,
+    print_table(["what", "bytes", "bytes per completion token"], rows,
                 title=f"(a) Redis memory, {args.buffered} buffered {shape.label} groups "
-                      f"({tokens:,} tokens, ~{shape.chars_per_token} B text per token)")
+                      f"({tokens:,} completion tokens, ~{shape.chars_per_token} B text "
+                      "per token)")
     per_token = (memory["traj"] + memory["scored"]) / tokens
-    return [f"(a) {shape.label}: Redis memory {per_token:.2f} B per buffered token (traj "
+    return [f"(a) {shape.label}: Redis memory {per_token:.2f} B per buffered completion "
+            f"token (traj "
             f"{memory['traj'] / tokens:.2f} + scored {memory['scored'] / tokens:.3f}); "
             f"entry {entry / 2**20:.1f} MiB, {cap / entry:.1f}x below the default "
             f"max_entry_bytes ({cap / 2**20:.0f} MiB)"]
