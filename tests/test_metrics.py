@@ -9,7 +9,9 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from bench.workers import FakeServerProcess
+from bench.workers import REPO_ROOT, FakeServerProcess
 from consumers.trainer import TrainerClient, TrainerClientSettings
 from ops.atropos.app import create_app as create_atropos_app
 from ops.atropos.settings import AtroposApiSettings
@@ -74,9 +76,10 @@ async def test_scorer_metrics_count_what_happened(real_redis: aioredis.Redis,
     stop = asyncio.Event()
     with capture_logs() as logs:
         task = asyncio.create_task(run_scorer(settings, stop))
-        for _ in range(200):
-            if await real_redis.xlen(stream_key(RUN, 0, "scored")) == 4 and any(
-                    e["event"] == "metrics_serving" for e in logs):
+        for _ in range(10_000):  # a condition, not a clock: the per-test timeout bounds it
+            if (await real_redis.xlen(stream_key(RUN, 0, "scored")) == 4
+                    and await real_redis.xlen(stream_key(RUN, 0, "dead")) == 1
+                    and any(e["event"] == "metrics_serving" for e in logs)):
                 break
             await asyncio.sleep(0.05)
         port = next(e["port"] for e in logs if e["event"] == "metrics_serving")
@@ -113,9 +116,23 @@ def test_metrics_off_by_default(port: int | None) -> None:
 
 @pytest.fixture(scope="module")
 def inference() -> Iterator[str]:
-    fake = FakeServerProcess().start()  # a loopback OpenAI-compatible fake: real HTTP
-    yield fake.url
-    fake.stop()
+    """A loopback OpenAI-compatible fake (real HTTP), waited for by condition: on a loaded
+    machine its start-up can take longer than ``FakeServerProcess.start`` allows."""
+    fake = FakeServerProcess()
+    fake.process = subprocess.Popen(
+        [sys.executable, "-m", "bench.workers", "--serve-fake", str(fake.port)],
+        cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        while fake.process.poll() is None:
+            try:
+                if httpx.get(fake.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert fake.process.poll() is None, "the fake vLLM server exited"
+        yield fake.url
+    finally:
+        fake.stop()
 
 
 SCRAPED: list[str] = []
@@ -207,7 +224,9 @@ async def test_every_role_serves_metrics_that_count_what_happened(
                 endpoint.close()
         # the feeder's next check sees the batch consumed: nothing outstanding, no budget
         feeder = await scrape_until(ports["feeder"], "rollq_admission_outstanding", 0)
-        workers = await scrape_until(ports["workers"], "rollq_workers_alive", 1)
+        # arq counts a job complete just after its body returned (the group published)
+        workers = await scrape_until(ports["workers"], "rollq_worker_jobs_total", 4,
+                                     outcome="complete")
         scorer = await scrape(ports["scorer"])
         health = (await status_json(redis_server.url, run))["workers"]
     finally:
@@ -232,6 +251,7 @@ async def test_every_role_serves_metrics_that_count_what_happened(
     assert value(workers, "rollq_worker_jobs_total", outcome="complete") == 4
     assert value(workers, "rollq_worker_jobs_running") == 0
     assert value(workers, "rollq_worker_job_slots") == 2
+    assert value(workers, "rollq_workers_alive") == 1  # its own health record
     server = inference.rstrip("/")
     assert value(workers, "rollq_inference_completion_tokens_total", server=server) == tokens
     assert value(workers, "rollq_inference_request_seconds_count", server=server) == 4
