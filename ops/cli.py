@@ -12,79 +12,15 @@ import asyncio
 import os
 import sys
 import traceback
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from enum import IntEnum
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping, Sequence
 
-import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
-import structlog
 
-from ops.logging import configure_logging, say_error, uses_json
-from ops.settings import CommonSettings, load_settings, redact_url
+from ops.invocation import Exit, Handler, add_common_flags
+from ops.logging import say_error, uses_json
+from ops.settings import CommonSettings, redact_url
 from schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
 from schemas.failures import describe
-
-
-class Exit(IntEnum):
-    """Exit codes of every rollq command."""
-
-    OK = 0
-    FAILURE = 1  # the command ran and failed (e.g. a test run of the demo did not learn)
-    USAGE = 2  # argparse's own code for bad flags
-    NOT_FOUND = 3  # the run (or entry) asked for does not exist
-    UNAVAILABLE = 69  # Redis or the inference servers cannot be reached (EX_UNAVAILABLE)
-    CONFIG = 78  # invalid settings or reward config (EX_CONFIG)
-    INTERRUPTED = 130
-
-
-Handler = Callable[[argparse.Namespace, Mapping[str, str]], Coroutine[Any, Any, int]]
-
-
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="YAML config file (see README: Settings)")
-    parser.add_argument("--redis-url", help="Redis URL [ROLLQ_REDIS_URL, default "
-                        "redis://127.0.0.1:6379/0]")
-    parser.add_argument("--run", help="run name [ROLLQ_RUN, default 'default']")
-    parser.add_argument("--log-format", choices=["auto", "json", "console"],
-                        help="log lines as JSON or for a terminal [ROLLQ_LOG_FORMAT, auto: "
-                        "JSON unless stderr is a terminal]")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
-                        help="[ROLLQ_LOG_LEVEL, info]; debug also prints tracebacks")
-    parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="long-running roles serve Prometheus /metrics here "
-                        "[ROLLQ_METRICS_PORT, off; 0: any free port]; the 'metrics' extra")
-
-
-def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str, str],
-                 **overrides: Any) -> Any:
-    """Load a role's settings with the common flags, then configure logging from them.
-
-    The settings are also kept on ``args``, so ``main`` can word a failure with them.
-    """
-    settings = load_settings(
-        cls,
-        environ=environ,
-        config_file=getattr(args, "config", None),
-        overrides={"redis_url": getattr(args, "redis_url", None),
-                   "run": getattr(args, "run", None),
-                   "log_format": getattr(args, "log_format", None),
-                   "log_level": getattr(args, "log_level", None),
-                   "metrics_port": getattr(args, "metrics_port", None), **overrides},
-    )
-    configure_logging(settings.log_format, settings.log_level)
-    # Every line the command writes carries its run (the handler runs in its own task
-    # context, so this binding ends with it).
-    structlog.contextvars.bind_contextvars(run=settings.run)
-    args.settings = settings
-    return settings
-
-
-def redis_client(settings: CommonSettings) -> aioredis.Redis:
-    from ops.connections import open_redis
-
-    return open_redis(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

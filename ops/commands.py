@@ -16,8 +16,8 @@ import structlog
 from ops import dead_cli as dead_command
 from ops import runs as runs_command
 from ops.atropos import command as atropos_command
-from ops.cli import Exit, redis_client, settings_for
 from ops.gateway import command as gateway_command
+from ops.invocation import Exit, redis_client, settings_for
 from ops.settings import CommonSettings
 from ops.status import RunNotFound, collect_status, known_runs, render_status
 from ops.tail import printer

@@ -13,7 +13,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ops.cli import Exit, add_common_flags, redis_client, settings_for
 from ops.connections import queue_options, queue_url
 from ops.dead import (
     DEDUP_WINDOW_S,
@@ -26,6 +25,7 @@ from ops.dead import (
     partitions,
     requeue,
 )
+from ops.invocation import Exit, add_common_flags, redis_client, settings_for
 from ops.settings import CommonSettings
 from ops.status import known_runs
 from schemas.keys import check_run_name

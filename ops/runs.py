@@ -155,7 +155,7 @@ async def restore(redis: aioredis.Redis, path: Path, *, replace: bool = False) -
 # -- the command line ------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ops.cli import add_common_flags
+    from ops.invocation import add_common_flags
 
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = sub.add_parser("list", help="every run: partitions, entries, pending, memory, "
@@ -182,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from ops.cli import Exit, redis_client, settings_for
+    from ops.invocation import Exit, redis_client, settings_for
     from ops.settings import CommonSettings
 
     settings: CommonSettings = settings_for(CommonSettings, args, environ)

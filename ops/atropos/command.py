@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from ops.cli import Exit, settings_for
+from ops.invocation import Exit, settings_for
 
 HELP = ("serve the Atropos trajectory API (atroposlib 0.4.0's paths and shapes) on the run's "
         "streams: envs in `serve` mode post here, Atropos trainers poll /batch; durable")

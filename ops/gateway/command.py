@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 
-from ops.cli import Exit, settings_for
+from ops.invocation import Exit, settings_for
 
 HELP = ("serve the capturing OpenAI-compatible gateway in front of vLLM servers: each "
         "episode gets its own base URL (POST /episodes), every call's tokens are recorded "
