@@ -21,8 +21,10 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     publish to the last ack. Against, in the same run: raw redis-py with the exact bytes of
     ``encode(group)`` pre-encoded, one task XADDing them one by one and one XREADGROUP
     ``COUNT 16`` + XACK per batch (bench/bus.py ``raw``; ``raw2hop`` adds the scored hop with
-    zero Python work, for context). Default shape: 8 completions x 64 tokens, ~120 B of
-    text each (targets: >= 1,500 groups/s and >= 0.35 of raw); then 16 x 2048 for context.
+    zero Python work, for context). Shapes: 8 completions x 64 tokens, ~120 B of text each
+    (targets: >= 1,500 groups/s and >= 0.4 of raw); then 16 x 2048 (+256 prompt), ~2 KB of
+    text each (target: >= 0.5 of raw; the structural limit is ~0.67, three transfers of
+    the group's bytes against raw's two).
 
     ``--processes`` adds the same runs with each role in its own OS process (spawn), as
     rollq is deployed: ``rollq/procs`` (publisher | scorer stage | trainer) against
@@ -85,7 +87,11 @@ TRAJ = stream_key(RUN, 0, "traj")
 SCORED = stream_key(RUN, 0, "scored")
 TARGET_P99_MS = 25.0
 TARGET_GROUPS_PER_S = 1500.0
-TARGET_RATIO = 0.35
+TARGET_RATIO = 0.4
+"""8x64: a floor on groups/s and on the ratio to raw 1-hop."""
+TARGET_BIG_RATIO = 0.5
+"""16x2048: the ratio to raw 1-hop (the structural limit is ~0.67: three transfers of the
+group's bytes against raw's two; goal 0.6)."""
 SCORER_CONCURRENCY = 16
 REWARD = {
     "components": [
@@ -376,9 +382,9 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
             settings = TrainerClientSettings(batch_groups=job.batch_groups, block_ms=100,
                                              max_staleness=None)
             rng = np.random.default_rng(1)
-            warm = make_groups(job.batch_groups, shape.group_size, shape.seq_len,
-                               shape.prompt_len, shape.short_text)
-            pad_groups([decode_scored(encode(grpo_scored(g, rng))) for g in warm])
+            warm_groups = make_groups(job.batch_groups, shape.group_size, shape.seq_len,
+                                      shape.prompt_len, shape.short_text)
+            pad_groups([decode_scored(encode(grpo_scored(g, rng))) for g in warm_groups])
             async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
                 messages.put(("ready", job.role, None))
                 start.wait()
@@ -615,7 +621,9 @@ async def part_b(url: str, args: argparse.Namespace) -> list[str]:
                     line += (f" (targets >= {TARGET_GROUPS_PER_S:,.0f} groups/s and >= "
                              f"{TARGET_RATIO} of raw) {'OK' if ok else 'BELOW TARGET'}")
                 else:
-                    line += " (context)"
+                    ok = ratio >= TARGET_BIG_RATIO
+                    line += (f" (target >= {TARGET_BIG_RATIO} of raw, goal 0.6) "
+                             f"{'OK' if ok else 'BELOW TARGET'}")
                 lines.append(line)
     return lines
 

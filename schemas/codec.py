@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 import numpy as np
@@ -151,48 +151,84 @@ def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
     """
     if isinstance(message, TrajectoryGroup):
         return _encode_trajectory(message, b"traj")
+    scores = message.scores
+    return encode_scores(
+        message.trajectory,
+        rewards=[s.reward for s in scores],
+        advantages=[s.advantage for s in scores],
+        token_advantages=[s.token_advantages for s in scores],
+        token_rewards=[s.token_rewards for s in scores],
+        components=[s.components for s in scores],
+        weights=message.weights, flags=message.flags, reward_config=message.reward_config,
+        scored_at=message.scored_at, trajectory_id=trajectory_id)
+
+
+def encode_scores(
+    trajectory: TrajectoryGroup, *, rewards: Sequence[float], advantages: Sequence[float],
+    token_advantages: Sequence[np.ndarray[Any, Any]],
+    token_rewards: Sequence[np.ndarray[Any, Any] | None] | None,
+    components: Sequence[Mapping[str, float | None]], weights: Mapping[str, float],
+    flags: Sequence[str], reward_config: str, scored_at: float,
+    trajectory_id: str | None = None,
+) -> Fields:
+    """The entry fields of ``trajectory`` scored: what ``encode`` writes for the
+    ``ScoredGroup`` of these values (per sequence: reward, advantage, per-token advantages,
+    per-token rewards or None, component values), without building one.
+
+    A scorer writes its results straight into the wire form this way; every value is
+    checked as ``encode`` checks it (finite numbers, one score and one token value per
+    token of each completion, JSON that carries what it was given), raising
+    ``ContractError``.
+    """
     if trajectory_id is not None:
-        fields = _identity(message.trajectory, b"scored")
+        fields = _identity(trajectory, b"scored")
         fields[TRAJECTORY_REF] = trajectory_id.encode()
     else:
-        fields = _encode_trajectory(message.trajectory, b"scored")
-    scores = message.scores
+        fields = _encode_trajectory(trajectory, b"scored")
     score_meta = {
-        "components": [s.components for s in scores],
-        "weights": message.weights,
-        "flags": message.flags,
-        "reward_config": message.reward_config,
-        "scored_at": message.scored_at,
+        "components": list(components),
+        "weights": weights,
+        "flags": flags,
+        "reward_config": reward_config,
+        "scored_at": scored_at,
     }
-    fields[b"score_meta"] = _dumps(score_meta)
-    rewards = np.array([s.reward for s in scores], _F32)
-    fields[b"rewards"] = rewards.tobytes()
-    advantages = np.array([s.advantage for s in scores], _F32)
-    fields[b"advantages"] = advantages.tobytes()
-    # Per-token advantages travel only when they are not the sequence advantage broadcast
-    # (process rewards): for plain GRPO they would add a third to the entry for nothing.
-    if not all(is_broadcast(s.token_advantages, a) for s, a in zip(scores, advantages,
-                                                                    strict=True)):
-        fields[b"token_advantages"] = _pack([s.token_advantages for s in scores], _F32)
-    if any(s.token_rewards is not None for s in scores):
-        fields[b"token_rewards"] = _pack(
-            [
-                s.token_rewards
-                if s.token_rewards is not None
-                else np.zeros(len(s.token_advantages), np.float32)
-                for s in scores
-            ],
-            _F32,
-        )
-    lengths = [len(c.completion_ids) for c in message.trajectory.completions]
+    lengths = [len(c.completion_ids) for c in trajectory.completions]
     try:
-        if len(scores) != len(lengths):
-            raise ValueError(f"{len(scores)} scores for {len(lengths)} completions")
+        fields[b"score_meta"] = _dumps(score_meta)
+        rewards_array = np.array(rewards, _F32)
+        fields[b"rewards"] = rewards_array.tobytes()
+        advantages_array = np.array(advantages, _F32)
+        fields[b"advantages"] = advantages_array.tobytes()
+        counts = {len(rewards), len(advantages), len(token_advantages), len(components)}
+        if token_rewards is not None:
+            counts.add(len(token_rewards))
+        if len(rewards) != len(lengths):
+            raise ValueError(f"{len(rewards)} scores for {len(lengths)} completions")
+        if counts != {len(lengths)}:
+            raise ValueError(f"per-sequence values for {sorted(counts)} sequences, "
+                             f"{len(lengths)} completions")
+        for name, arrays in (("token_advantages", token_advantages),
+                             ("token_rewards", token_rewards)):
+            # counts already checked equal; token_rewards may be None (none at all)
+            for index, (array, length) in enumerate(zip(arrays or (), lengths, strict=False)):
+                if array is not None and len(array) != length:
+                    raise ValueError(f"scores[{index}].{name} has {len(array)} values for "
+                                     f"{length} tokens")
+        # Per-token advantages travel only when they are not the sequence advantage
+        # broadcast (process rewards): for plain GRPO they would add a third to the entry
+        # for nothing.
+        if not all(is_broadcast(np.asarray(t), a)
+                   for t, a in zip(token_advantages, advantages_array, strict=True)):
+            fields[b"token_advantages"] = _pack(list(token_advantages), _F32)
+        if token_rewards is not None and any(t is not None for t in token_rewards):
+            fields[b"token_rewards"] = _pack(
+                [t if t is not None else np.zeros(length, np.float32)
+                 for t, length in zip(token_rewards, lengths, strict=True)], _F32)
         _check_written("score_meta", fields[b"score_meta"], score_meta)
-        _check_score_values(fields, rewards, advantages, sum(lengths))
+        _check_score_values(fields, rewards_array, advantages_array, sum(lengths))
     except (DecodeError, ValueError, TypeError) as exc:
         raise ContractError(f"cannot encode the scores of group "
-                            f"{message.group_id[:80]!r}: {exc}") from None
+                            f"{trajectory.group_id[:80]!r}: {exc}") from None
     return fields
 
 

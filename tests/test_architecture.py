@@ -60,7 +60,8 @@ def test_schemas_public_surface_is_pinned() -> None:
         "DeadLetter", "DecodeError", "Fields", "InferenceUnavailable", "Message",
         "RewardError", "RollqError", "ScoredGroup", "SequenceScore", "TrajectoryGroup",
         "TransientError", "UnknownVersionError", "broadcast", "decode", "decode_dead",
-        "decode_scored", "decode_trajectory", "encode", "encode_dead", "is_broadcast",
+        "decode_scored", "decode_trajectory", "encode", "encode_dead", "encode_scores",
+        "is_broadcast",
         "join_trajectory", "scored_rewards", "trajectory_ref",
     ])
     for name in schemas.__all__:

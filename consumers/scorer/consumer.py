@@ -40,7 +40,14 @@ from consumers.scorer.config import RewardConfig
 from consumers.scorer.errors import RewardError
 from consumers.scorer.sample import Sample
 from consumers.stage import BatchTransform, Drop, Forward, Outcome
-from schemas import ScoredGroup, SequenceScore, TrajectoryGroup, decode_trajectory, encode
+from schemas import (
+    Fields,
+    ScoredGroup,
+    SequenceScore,
+    TrajectoryGroup,
+    decode_trajectory,
+    encode_scores,
+)
 from schemas.keys import partner_key
 
 log = structlog.get_logger("rollq.scorer")
@@ -69,10 +76,14 @@ def to_scored(group: TrajectoryGroup, score: GroupScore, config_name: str) -> Sc
             for i in range(len(group.completions))
         ),
         weights=dict(score.weights),
-        flags=[f"{f.component}:{f.reason}:sample{f.sample}" for f in score.flags],
+        flags=_flag_names(score),
         reward_config=config_name,
         scored_at=time.time(),
     )
+
+
+def _flag_names(score: GroupScore) -> list[str]:
+    return [f"{f.component}:{f.reason}:sample{f.sample}" for f in score.flags]
 
 
 class Scorer:
@@ -109,6 +120,27 @@ class Scorer:
                   mean_reward=sum(score.rewards) / len(score.rewards))
         return to_scored(group, score, self.config_name)
 
+    def entry(self, group: TrajectoryGroup, score: GroupScore,
+              trajectory_id: str) -> tuple[Fields, list[str]] | str:
+        """What ``finish`` gives, as the scored stream's reference-form entry (and its
+        flags) written straight from the scores: no ``ScoredGroup`` is built on the way
+        (``schemas.encode_scores`` checks every value as ``encode`` does)."""
+        if score.drop_reason is not None:
+            return score.drop_reason
+        log.debug("group_scored", group_id=group.group_id, timings=score.timings,
+                  mean_reward=sum(score.rewards) / len(score.rewards))
+        assert score.advantages is not None and score.token_advantages is not None
+        names = list(score.components)
+        flags = _flag_names(score)
+        fields = encode_scores(
+            group, rewards=score.rewards, advantages=score.advantages.tolist(),
+            token_advantages=score.token_advantages, token_rewards=score.token_rewards,
+            components=[{name: score.components[name][i] for name in names}
+                        for i in range(len(group.completions))],
+            weights=dict(score.weights), flags=flags, reward_config=self.config_name,
+            scored_at=time.time(), trajectory_id=trajectory_id)
+        return fields, flags
+
     async def score(self, group: TrajectoryGroup) -> ScoredGroup | str:
         """Score a group: the scored message, or the reason it is dropped. Raises
         ``RewardError`` when it cannot be scored (see the module docstring)."""
@@ -126,12 +158,14 @@ class Scorer:
 
     async def __call__(self, delivery: Delivery) -> Outcome:
         group = decode_trajectory(delivery.fields)
-        result = await self.score(group)
+        result = self.entry(group, await self.bridge.score_group(self.samples(group)),
+                            delivery.entry_id)
         if isinstance(result, str):
             return Drop(result)
-        if result.flags:
-            await self._count_flags([(delivery, result.flags)])
-        return Forward(encode(result, trajectory_id=delivery.entry_id))
+        fields, flags = result
+        if flags:
+            await self._count_flags([(delivery, flags)])
+        return Forward(fields)
 
     async def transform_batch(self, deliveries: Sequence[Delivery]) -> list[Outcome | Exception]:
         """Score a read's groups together; one result per delivery (see ``Stage``)."""
@@ -142,17 +176,25 @@ class Scorer:
                 decoded.append((index, decode_trajectory(delivery.fields)))
             except Exception as exc:  # the Stage sorts it (decode_error, or a bug)
                 results[index] = exc
-        scored = await self.score_many([group for _, group in decoded])
+        scores = await self.bridge.score_groups(
+            [self.samples(group) for _, group in decoded])
         flagged: list[tuple[Delivery, Sequence[str]]] = []
-        for (index, _), result in zip(decoded, scored, strict=True):
-            if isinstance(result, RewardError):
-                results[index] = result
-            elif isinstance(result, str):
+        for (index, group), score in zip(decoded, scores, strict=True):
+            if isinstance(score, RewardError):
+                results[index] = score
+                continue
+            try:
+                result = self.entry(group, score, deliveries[index].entry_id)
+            except Exception as exc:  # the Stage sorts it (contract_error, or a bug)
+                results[index] = exc
+                continue
+            if isinstance(result, str):
                 results[index] = Drop(result)
             else:
-                if result.flags:
-                    flagged.append((deliveries[index], result.flags))
-                results[index] = Forward(encode(result, trajectory_id=deliveries[index].entry_id))
+                fields, flags = result
+                if flags:
+                    flagged.append((deliveries[index], flags))
+                results[index] = Forward(fields)
         await self._count_flags(flagged)
         return [result for result in results if result is not None]
 
