@@ -57,6 +57,8 @@ class Run:
     seconds: float = 0.0
     tokens: int = 0
     latencies: list[float] = field(default_factory=list)
+    token_in: int = 0
+    """Gateway calls sent as token ids (their text path would have re-tokenised a reply)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,6 +96,7 @@ async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Na
                 if gateway_url is not None:
                     closed = await http.post(f"{gateway_url}/episodes/{opened['episode_id']}/close")
                     assert closed.status_code == 200 and closed.json()["sequences"]
+                    run.token_in += int(closed.json()["stats"]["token_in"])
 
         started = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(args.episodes)))
@@ -136,11 +139,32 @@ async def measure(vllm_url: str, gateway_url: str,
         for name in ("direct", "gateway"):
             run = await run_workload(vllm_url, gateway_url if name == "gateway" else None, args)
             results[name].append(run)
+            drift = (f" token-in {run.token_in}/{len(run.latencies)} calls"
+                     if name == "gateway" else "")
             print(f"run {number + 1}/{args.runs} {name:7s}: {run.seconds:6.2f} s "
                   f"{run.tokens:6d} tokens {run.tokens_per_s:7.1f} tokens/s "
                   f"p50 {percentile(run.latencies, 0.5) * 1000:6.1f} ms "
-                  f"p99 {percentile(run.latencies, 0.99) * 1000:6.1f} ms", flush=True)
+                  f"p99 {percentile(run.latencies, 0.99) * 1000:6.1f} ms{drift}", flush=True)
+    await time_tokenize(vllm_url)
     return results
+
+
+async def time_tokenize(vllm_url: str) -> None:
+    """One ``/tokenize`` of a 3-message chat with tools, alone on the server: what each of
+    the gateway's chat-continuation checks costs before any generation (it renders the
+    conversation through the server's template, twice per continuation, concurrently)."""
+    body = {"model": "rollq-tiny", "tools": [TOOL], "add_generation_prompt": True,
+            "messages": [{"role": "user", "content": "What is 6*7? Use the calculator."},
+                         {"role": "assistant", "content": "x" * 100},
+                         {"role": "tool", "tool_call_id": "call-0", "content": "42"}]}
+    seconds = []
+    async with httpx.AsyncClient(timeout=60) as http:
+        for _ in range(20):
+            started = time.perf_counter()
+            (await http.post(f"{vllm_url}/tokenize", json=body)).raise_for_status()
+            seconds.append(time.perf_counter() - started)
+    print(f"vLLM /tokenize (chat with tools, idle server): p50 "
+          f"{statistics.median(seconds) * 1000:.1f} ms", flush=True)
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:

@@ -38,7 +38,8 @@ def create_app(settings: GatewaySettings, *,
                                  timeout_s=settings.request_timeout_s,
                                  max_retries=settings.max_retries, transport=transport) as pool:
             hub = CaptureHub(Upstream(pool), episode_ttl_s=settings.episode_ttl_s,
-                             tool_parser=settings.tool_parser)
+                             tool_parser=settings.tool_parser,
+                             continuation_check=settings.continuation_check)
             app.state.hub = hub
             sweeper = asyncio.create_task(_expire(hub, min(60.0, settings.episode_ttl_s)))
             try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from ops.settings import CommonSettings
@@ -25,3 +27,10 @@ class GatewaySettings(CommonSettings):
     """An episode with no call and no close for this long is dropped (its worker died)."""
     tool_parser: str | None = "hermes"
     """How replies of token-in chat calls find tool calls: ``hermes`` or None."""
+    continuation_check: Literal["before", "after"] = "after"
+    """When a chat continuation is checked for re-tokenisation: ``after`` sends it at once
+    and checks the prompt ids the server reports (no extra request when the template
+    reproduces the earlier tokens; on drift the generation is discarded and made again
+    token-in, and the episode checks ``before`` from then on); ``before`` renders the
+    conversation through ``/tokenize`` first (two requests per continuation, no generation
+    ever discarded: for templates known to re-render replies, e.g. reformatted tool calls)."""

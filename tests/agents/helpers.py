@@ -65,6 +65,16 @@ def served_prompt(reply: dict[str, Any]) -> list[int]:
     return list(reply.get("prompt_token_ids") or reply["choices"][0]["prompt_token_ids"])
 
 
+def kept_replies(completions: list[Completion], prompt_ids: list[int],
+                 replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The replies some sequence holds (prompt and completion); the others were discarded
+    (a gateway checking continuations ``after`` resends a drifted call token-in)."""
+    sequences = [[*prompt_ids, *c.completion_ids.tolist()] for c in completions]
+    return [reply for reply in replies
+            if any(seq[:len(served_prompt(reply)) + len(served(reply)[0])]
+                   == served_prompt(reply) + served(reply)[0] for seq in sequences)]
+
+
 def assert_exactly_served(completions: list[Completion], prompt_ids: list[int],
                           replies: list[dict[str, Any]]) -> None:
     """Every trainable run is one server reply, id for id and logprob for logprob; every

@@ -73,7 +73,7 @@ async def test_calculator_agent_on_the_episode_api_stores_the_servers_tokens() -
         info = completion.info
         assert (info["episode"], info["sequence"], info["sequences"]) == (episode, 0, 1)
         assert info["capture"] == {"calls": 3, "token_in": 0, "text_drift": 0, "rejected": 0,
-                                   "unavailable": 0}
+                                   "unavailable": 0, "resent": 0}
         assert info["env_score"] == 1.0  # the last reply names the tool's last result (20)
         masked = decode([t for t, m in zip(completion.completion_ids.tolist(),
                                            completion.loss_mask.tolist(), strict=True) if not m])

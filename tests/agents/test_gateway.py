@@ -30,7 +30,13 @@ from tests.agents.agents import (
     calculator_episode,
 )
 from tests.agents.fake_agent_vllm import AgentFakeVLLM, decode
-from tests.agents.helpers import assert_exactly_served, served, tool_script, trainable_runs
+from tests.agents.helpers import (
+    assert_exactly_served,
+    kept_replies,
+    served,
+    tool_script,
+    trainable_runs,
+)
 from tests.agents.pipeline import run_workers, score_and_train
 from tests.producers.fake_vllm import fake_transport
 from tests.redis_server import RedisServer
@@ -39,8 +45,8 @@ RECORDS = [{"question": question, "answer": "42"} for question in QUESTIONS]
 
 
 @contextlib.asynccontextmanager
-async def gateway(fake: AgentFakeVLLM) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny"),
+async def gateway(fake: AgentFakeVLLM, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny", **settings),
                      transport=fake_transport(fake))
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), httpx.AsyncClient(
@@ -80,11 +86,35 @@ async def test_an_unmodified_openai_agent_is_captured_per_episode() -> None:
     for episode in closed:
         [sequence] = episode.sequences
         assert episode.stats.calls == 3 and episode.stats.text_drift == 2
+        # checked after: call 1's reformatted tool call makes call 2 drift, so its reply is
+        # discarded and resent token-in; call 3 is checked before sending
+        assert episode.stats.resent == 1 and episode.stats.token_in == 2
         assert sequence.calls == [0, 1, 2]
         masked = decode([t for t, m in zip(sequence.completion_ids, sequence.loss_mask,
                                            strict=True) if not m])
         assert "tool\n42" in masked and "tool\n20" in masked
     rollout = build_rollout([(c, EpisodeResult()) for c in closed], Item(0, {}))
+    kept = kept_replies(rollout.completions, list(rollout.prompt_ids), fake.replies)
+    assert len(fake.replies) - len(kept) == 2  # the two discarded generations
+    assert_exactly_served(rollout.completions, list(rollout.prompt_ids), kept)
+
+
+@pytest.mark.parametrize(("check", "tokenize_calls"), [("after", 0), ("before", 6)])
+async def test_continuations_checked_after_cost_no_request_when_nothing_drifts(
+        check: str, tokenize_calls: int) -> None:
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=False)  # the template re-renders these replies as is
+    async with gateway(fake, continuation_check=check) as http:
+        episode_id = await open_episode(http)
+        async with agent_on(http, f"http://gw.test/episodes/{episode_id}/v1") as agent:
+            assert await calculator_episode(agent, QUESTIONS[0]) == 1.0
+        closed = CapturedEpisode.model_validate(
+            (await http.post(f"/episodes/{episode_id}/close")).json())
+    assert closed.stats.calls == 3 and closed.stats.text_drift == closed.stats.resent == 0
+    # before: two renders per continuation, and the turn-end probe (two, once per gateway)
+    assert fake.counts["/tokenize"] == tokenize_calls
+    assert fake.counts["/v1/chat/completions"] == 3 and len(closed.sequences) == 1
+    rollout = build_rollout([(closed, EpisodeResult())], Item(0, {}))
     assert_exactly_served(rollout.completions, list(rollout.prompt_ids), fake.replies)
 
 
@@ -234,5 +264,8 @@ async def test_remote_gateway_over_real_uvicorn_with_an_agent_that_builds_its_ow
     [group] = groups
     assert len(group.completions) == 2
     assert all(c.info["capture"]["calls"] == 3 for c in group.completions)
+    assert all(c.info["capture"]["resent"] == 1 for c in group.completions)  # checked after
     runs = sorted(run for c in group.completions for run in trainable_runs(c))
-    assert runs == sorted(served(r) for r in fake.replies)
+    kept = kept_replies(group.completions, list(group.prompt_ids), fake.replies)
+    assert len(fake.replies) - len(kept) == 2  # one discarded generation per episode
+    assert runs == sorted(served(r) for r in kept)

@@ -38,7 +38,11 @@ import orjson
 import structlog
 
 from producers.inference.capture.record import CapturedEpisode
-from producers.inference.capture.session import EpisodeCapture, EpisodeClosed
+from producers.inference.capture.session import (
+    ContinuationCheck,
+    EpisodeCapture,
+    EpisodeClosed,
+)
 from producers.inference.capture.upstream import Upstream
 from producers.inference.errors import InferenceRequestError
 from schemas import ContractError, InferenceUnavailable
@@ -68,12 +72,14 @@ class CaptureHub:
 
     def __init__(self, upstream: Upstream, *, defaults: Mapping[str, Any] | None = None,
                  policy_version: Callable[[], Awaitable[int]] | None = None,
-                 episode_ttl_s: float = 3600.0, tool_parser: str | None = "hermes") -> None:
+                 episode_ttl_s: float = 3600.0, tool_parser: str | None = "hermes",
+                 continuation_check: ContinuationCheck = "before") -> None:
         self.upstream = upstream
         self.defaults = dict(defaults or {})
         self.policy_version = policy_version
         self.episode_ttl_s = episode_ttl_s
         self.tool_parser = tool_parser
+        self.continuation_check: ContinuationCheck = continuation_check
         self.episodes: dict[str, EpisodeCapture] = {}
         self.opened = self.closed = self.expired = 0
 
@@ -88,7 +94,8 @@ class CaptureHub:
         capture = EpisodeCapture(self.upstream, episode_id=episode_id,
                                  defaults={**self.defaults, **(defaults or {})},
                                  policy_version=policy_version or self.policy_version,
-                                 tool_parser=self.tool_parser)
+                                 tool_parser=self.tool_parser,
+                                 continuation_check=self.continuation_check)
         self.episodes[episode_id] = capture
         self.opened += 1
         return capture

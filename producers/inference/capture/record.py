@@ -93,6 +93,9 @@ class CaptureStats(BaseModel):
     """Calls the server refused with a 4xx (the agent saw the error)."""
     unavailable: int = 0
     """Calls that failed because inference was unavailable (the agent saw the error)."""
+    resent: int = 0
+    """Generations discarded and resent token-in: with ``continuation_check="after"``, the
+    server's prompt for a chat continuation did not extend the earlier call's tokens."""
 
 
 class CapturedEpisode(BaseModel):

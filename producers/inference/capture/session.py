@@ -9,7 +9,8 @@ On the way:
 - token ids and logprobs are forced on (``return_token_ids``, ``logprobs``) and stripped
   from the reply again unless the agent asked for them;
 - **chat continuation**: when the messages are an earlier call's messages, its reply, then
-  more (tool results, a user turn), the prompt the text path would produce is rendered
+  more (tool results, a user turn), the prompt the text path would produce is checked.
+  ``continuation_check="before"`` (the default): it is rendered
   (``/tokenize`` of the messages, with ``tools``) and compared with the *spliced* prompt:
   the earlier call's exact prompt and completion ids, the template's turn end the model did
   not emit, then the rendering of the new messages (``rendered[len(through reply):]``). If
@@ -17,8 +18,13 @@ On the way:
   reasoning, reformatted tool-call JSON), the call is sent **token-in**: the spliced ids to
   ``/v1/completions``, its reply turned into a chat message (tool calls parsed, Hermes
   format, ``capture.toolcalls``). Otherwise the chat request goes as sent (the server's own
-  tool and reasoning parsers apply). Both count in ``CaptureStats``; every drift is logged
-  (``capture_text_drifted``, with the position of the first differing token);
+  tool and reasoning parsers apply). ``continuation_check="after"`` sends the chat request
+  first and checks the prompt ids the server reports: when they extend the earlier call's
+  prompt and completion the reply is kept (no extra request at all, what the gateway does
+  by default); otherwise that generation is discarded (``CaptureStats.resent``) and the call
+  is made token-in as above, and the episode's later continuations check before (a template
+  that drifts once usually drifts again). Both count in ``CaptureStats``; every drift is
+  logged (``capture_text_drifted``, with the position of the first differing token);
 - **text continuation** (``/v1/completions``): a prompt that is an earlier call's prompt
   text plus its completion text plus more is always sent as ids (earlier ids + the new
   text's ids); the drift count says how often the text would have tokenised differently.
@@ -35,7 +41,7 @@ import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -67,6 +73,10 @@ TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs")
 """Request fields that change how the chat template renders (sent to ``/tokenize`` too)."""
 
 
+ContinuationCheck = Literal["before", "after"]
+"""When a chat continuation is checked for drift (module docstring)."""
+
+
 class EpisodeClosed(ContractError):
     """A call reached an episode that was already closed (or never opened)."""
 
@@ -79,13 +89,17 @@ class EpisodeCapture:
       ``SamplingParams.body()``).
     - ``policy_version``: read before every call; None stamps 0.
     - ``tool_parser``: how token-in chat replies find tool calls: ``"hermes"`` or None.
+    - ``continuation_check``: ``before`` (render first) or ``after`` (send, then check the
+      server's prompt ids; resend token-in on drift).
     """
 
     def __init__(self, upstream: Upstream, *, episode_id: str = "",
                  defaults: Mapping[str, Any] | None = None,
                  policy_version: PolicyVersionReader | None = None,
-                 tool_parser: str | None = "hermes") -> None:
+                 tool_parser: str | None = "hermes",
+                 continuation_check: ContinuationCheck = "before") -> None:
         self.upstream = upstream
+        self.continuation_check = continuation_check
         self.episode_id = episode_id
         self.defaults = dict(defaults or {})
         self.policy_version = policy_version
@@ -94,7 +108,8 @@ class EpisodeCapture:
         self.closed = False
         self.last_used = time.monotonic()
         self._counter = itertools.count()
-        self._token_in = self._drift = self._rejected = self._unavailable = 0
+        self._token_in = self._drift = self._rejected = self._unavailable = self._resent = 0
+        self._check_first = continuation_check == "before"
         self._unavailable_error: str | None = None
 
     # --- the two routes ------------------------------------------------------------------
@@ -106,7 +121,21 @@ class EpisodeCapture:
         index, version = next(self._counter), await self._version()
         spliced: list[int] | None = None
         parent = self._chat_parent(body)
-        if parent is not None:
+        served: list[int] | None = None
+        if parent is not None and not self._check_first:
+            reply = await self._send(self.upstream.post("/v1/chat/completions", {
+                **body, "logprobs": True, "return_token_ids": True}))
+            served = parse_chat(reply)[0].prompt_ids
+            if served[:len(parent.prompt_ids) + len(parent.completion_ids)] == [
+                    *parent.prompt_ids, *parent.completion_ids]:
+                return self._record_chat(index, version, body, request, reply, token_in=False)
+            self._check_first = True  # the text path re-tokenised: go token-in from now
+            spliced, rendered = await self._splice_chat(parent, body, served=served)
+            if spliced is None:  # no splice possible: the reply in hand is as good as any
+                return self._record_chat(index, version, body, request, reply, token_in=False)
+            self._resent += 1  # discarded; the call is made again, token-in
+            self._note_drift(index, spliced, rendered)
+        elif parent is not None:
             spliced, rendered = await self._splice_chat(parent, body)
             if spliced is not None and spliced == rendered:
                 spliced = None  # the text path gives the same ids: let the server parse
@@ -115,14 +144,19 @@ class EpisodeCapture:
         reply = await self._send(self._chat_token_in(body, spliced) if spliced is not None
                                  else self.upstream.post("/v1/chat/completions", {
                                      **body, "logprobs": True, "return_token_ids": True}))
+        return self._record_chat(index, version, body, request, reply,
+                                 token_in=spliced is not None)
+
+    def _record_chat(self, index: int, version: int, body: dict[str, Any],
+                     request: Mapping[str, Any], reply: dict[str, Any], *,
+                     token_in: bool) -> dict[str, Any]:
         [sample] = parse_chat(reply)
         message = dict(reply["choices"][0].get("message") or {})
         self._record(CapturedCall(
             index=index, route="chat", request=body, prompt_ids=sample.prompt_ids,
             completion_ids=sample.completion_ids, logprobs=sample.logprobs,
             finish_reason=sample.finish_reason, text=sample.text, message=message,
-            policy_version=version, token_in=spliced is not None,
-            text_drift=spliced is not None))
+            policy_version=version, token_in=token_in, text_drift=token_in))
         return public_reply(reply, request, route="chat")
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -165,7 +199,7 @@ class EpisodeCapture:
     def stats(self) -> CaptureStats:
         return CaptureStats(calls=len(self.calls), token_in=self._token_in,
                             text_drift=self._drift, rejected=self._rejected,
-                            unavailable=self._unavailable)
+                            unavailable=self._unavailable, resent=self._resent)
 
     # --- internals -----------------------------------------------------------------------
 
@@ -228,13 +262,22 @@ class EpisodeCapture:
                 best = call
         return best
 
-    async def _splice_chat(self, parent: CapturedCall,
-                           body: dict[str, Any]) -> tuple[list[int] | None, list[int]]:
+    async def _splice_chat(self, parent: CapturedCall, body: dict[str, Any], *,
+                           served: list[int] | None = None
+                           ) -> tuple[list[int] | None, list[int]]:
+        """The spliced token-in prompt (None when the template's prefix differs) and the
+        text path's prompt (``served``: as the server already reported it, if given)."""
         messages = body["messages"]
         options = {key: body[key] for key in TEMPLATE_FIELDS if key in body}
         tools = body.get("tools")
+
+        async def text_path() -> list[int]:
+            if served is not None:
+                return served
+            return await self.upstream.render(messages, tools=tools, template_options=options)
+
         rendered, through, turn_end = await asyncio.gather(
-            self.upstream.render(messages, tools=tools, template_options=options),
+            text_path(),
             self.upstream.render(messages[:len(parent.messages) + 1], tools=tools,
                                  add_generation_prompt=False, template_options=options),
             self.upstream.turn_end())
