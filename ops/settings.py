@@ -216,14 +216,6 @@ class FeederSettings(CommonSettings):
     """How often the feeder re-checks its admission budget (seconds)."""
 
 
-class TrainerSettings(ReaderTuning):
-    section: str = Field(default="trainer", exclude=True, repr=False)
-    inference: list[str] = Field(default_factory=list)
-    """vLLM base URLs to publish new weights to."""
-    max_staleness: int = Field(default=1, ge=0)
-    batch_groups: int = Field(default=8, ge=1)
-
-
 def load_settings(
     cls: type[S],
     *,
@@ -281,7 +273,6 @@ def roles() -> dict[str, type[CommonSettings]]:
         "scorer": ScorerSettings,
         "workers": WorkerSettings,
         "feeder": FeederSettings,
-        "trainer": TrainerSettings,
         "atropos_api": AtroposApiSettings,
     }
 

@@ -1,5 +1,5 @@
-"""Settings of one trainer client: a frozen dataclass, built by the caller (``ops`` maps
-``TrainerSettings`` onto it; a plain training script constructs it directly)."""
+"""Settings of one trainer client: a frozen dataclass the training script constructs (the
+trainer is the user's process, not a rollq role: it has no config-file section)."""
 
 from __future__ import annotations
 

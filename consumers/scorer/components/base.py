@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, ClassVar, Generic, Literal, TypeVar
 
 import httpx
 import numpy as np
@@ -114,8 +114,3 @@ class RewardComponent(Generic[SettingsT]):
 
     async def close(self) -> None:
         """Release what `open` acquired."""
-
-
-def build_settings(component: type[RewardComponent[Any]], raw: dict[str, Any]) -> ComponentSettings:
-    """Validate `raw` against the component's settings model (raises ValidationError)."""
-    return component.settings_model.model_validate(raw)
