@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="served model name [asked from /v1/models]")
     parser.add_argument("--episode-ttl", type=float, dest="episode_ttl_s",
                         help="drop an episode idle this many seconds [3600]")
+    parser.add_argument("--continuation-check", choices=["after", "before"],
+                        help="check a chat continuation for re-tokenisation after sending it "
+                        "(no extra request; a drifted reply is resent token-in) or before "
+                        "(two /tokenize renders per continuation) [after]")
 
 
 async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -31,7 +35,8 @@ async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     inference = [url for value in args.inference or [] for url in value.split(",") if url]
     settings: GatewaySettings = settings_for(
         GatewaySettings, args, environ, host=args.host, port=args.port,
-        inference=inference or None, model=args.model, episode_ttl_s=args.episode_ttl_s)
+        inference=inference or None, model=args.model, episode_ttl_s=args.episode_ttl_s,
+        continuation_check=args.continuation_check)
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_config=None, access_log=False, lifespan="on")
     await uvicorn.Server(config).serve()
