@@ -75,6 +75,7 @@ def _trained_runs(mask: list[int]) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_atropos_envs_in_serve_mode_feed_an_atropos_trainer(
         stack: tuple[ApiProcess, dict[str, str], list[Process]], tmp_path: Path,
         tokenizer_dir: Path) -> None:
@@ -107,7 +108,7 @@ def test_atropos_envs_in_serve_mode_feed_an_atropos_trainer(
         return len({g["env_id"] for g in groups}) == 2 and len(groups) >= 8
 
     try:
-        until(poll, timeout_s=100)
+        until(poll, timeout_s=400)  # env start-up imports torch: minutes on a loaded machine
     except AssertionError:
         raise AssertionError(f"the envs' groups did not come out:\n{_logs(tmp_path)}") from None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
