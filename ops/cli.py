@@ -22,6 +22,8 @@ from ops.settings import CommonSettings, redact_url
 from schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
 from schemas.failures import describe
 
+__all__ = ["Exit", "build_parser", "explain", "main"]
+
 
 def build_parser() -> argparse.ArgumentParser:
     from ops import commands  # the handlers import the heavier role modules

@@ -7,8 +7,10 @@ on the real server only (Lua races, idle times, trimming).
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
+import pytest
 import redis.asyncio as aioredis
 
 from consumers.bus import (
@@ -83,9 +85,10 @@ async def test_reclaim_takes_over_a_dead_consumers_entry(redis: aioredis.Redis) 
     crashed = reader(redis, "crashed", reclaim_idle_ms=50)
     await crashed.ensure_groups()
     assert len(await crashed.read()) == 1  # ...and the consumer dies without acking
+    early = reader(redis, "early", reclaim_idle_ms=600_000)
+    assert await early.reclaim() == []  # not idle long enough yet
     survivor = reader(redis, "survivor", reclaim_idle_ms=50)
-    assert await survivor.reclaim() == []  # not idle long enough yet
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # a lower bound: idle for at least reclaim_idle_ms
     (delivery,) = await survivor.reclaim()
     assert delivery.deliveries == 2
     assert decode_trajectory(delivery.fields).group_id == "g1"
@@ -270,7 +273,8 @@ async def test_trim_keeps_every_trajectory_an_unconsumed_scored_entry_names(
     assert await redis.xlen(TRAJ) == 0 and await redis.xlen(SCORED) == 0
 
 
-async def test_follow_reads_without_joining_a_group(redis: aioredis.Redis) -> None:
+async def test_follow_reads_without_joining_a_group(redis: aioredis.Redis,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     publisher = Publisher(redis, RUN)
     await publisher.publish(make_group(group_id="old"))
     seen: list[str] = []
@@ -278,8 +282,18 @@ async def test_follow_reads_without_joining_a_group(redis: aioredis.Redis) -> No
     async def handle(stream: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
         seen.append(decode_trajectory(fields).group_id)
 
+    pinned = asyncio.Event()  # follow pins "now" with an XREVRANGE before its first read
+    xrevrange = redis.xrevrange
+
+    async def pinning(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await xrevrange(*args, **kwargs)
+        finally:
+            pinned.set()
+
+    monkeypatch.setattr(redis, "xrevrange", pinning)
     task = asyncio.create_task(follow(redis, [TRAJ], handle, block_ms=50, limit=2))
-    await asyncio.sleep(0.1)
+    await asyncio.wait_for(pinned.wait(), 120)
     await publisher.publish(make_group(group_id="new1"))
     await publisher.publish(make_group(group_id="new2"))
     assert await asyncio.wait_for(task, 5) == 2

@@ -18,6 +18,7 @@ from schemas.keys import stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer, free_port
 from tests.test_bus import scored_forward
+from tests.waiting import until
 
 
 async def _populate(redis: aioredis.Redis) -> None:
@@ -81,12 +82,11 @@ async def test_tail_follows_new_entries(real_redis: aioredis.Redis,
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo", "--count", "1",
         "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
-    for _ in range(600):  # until it follows at "now": blocked in an XREAD on the server
-        if any(c.get("cmd") == "xread" for c in await real_redis.client_list()):
-            break
-        await asyncio.sleep(0.05)
-    else:
-        pytest.fail("rollq tail never started following")
+
+    async def following() -> bool:  # at "now": blocked in an XREAD on the server
+        return any(c.get("cmd") == "xread" for c in await real_redis.client_list())
+
+    await until(following, "rollq tail to start following")
     await Publisher(real_redis, "demo").publish(make_group(run="demo", group_id="fresh"))
     out, _ = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0

@@ -24,6 +24,7 @@ from schemas import ScoredGroup, decode_dead, decode_scored
 from schemas.keys import counters_key, stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
+from tests.waiting import until
 
 RUN = "scoring"
 GSM8K = """\
@@ -101,13 +102,12 @@ async def test_killed_scorer_entries_are_reclaimed_and_forwarded_once(
         sys.executable, "-m", "ops.cli", "score", "--reward-config", str(hanging),
         "--consumer", "scorer-a", "--concurrency", "16", env=environment,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    for _ in range(300):
+
+    async def a_took_all() -> bool:
         groups = await real_redis.xinfo_groups(stream_key(RUN, 0, "traj"))
-        if groups and groups[0]["pending"] == 12:
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("scorer A never took the entries")
+        return bool(groups) and groups[0]["pending"] == 12
+
+    await until(a_took_all, "scorer A to take the entries")
     scorer_a.send_signal(signal.SIGKILL)
     await scorer_a.wait()
     assert await real_redis.xlen(stream_key(RUN, 0, "scored")) == 0
@@ -120,11 +120,8 @@ async def test_killed_scorer_entries_are_reclaimed_and_forwarded_once(
                               consumer="scorer-b", reclaim_idle_s=2)
     stop = asyncio.Event()
     task = asyncio.create_task(run_scorer(settings, stop))
-    for _ in range(100):
-        if await real_redis.xlen(stream_key(RUN, 0, "scored")) >= 12:
-            break
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(0.5)
+    await until(lambda: _scored_at_least(real_redis, 12), "scorer B to score all 12")
+    await asyncio.sleep(0.5)  # room for a duplicate to show, if one were coming
     stop.set()
     await asyncio.wait_for(task, 30)
     ids = [g.group_id for g in await scored_groups(real_redis)]
@@ -139,10 +136,7 @@ async def test_two_scorers_share_the_work(real_redis: aioredis.Redis,
     tasks = [asyncio.create_task(run_scorer(ScorerSettings(
         redis_url=redis_server.url, run=RUN, consumer=f"s{i}", processes=1), stops[i]))
         for i in range(2)]
-    for _ in range(200):
-        if await real_redis.xlen(stream_key(RUN, 0, "scored")) >= 40:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: _scored_at_least(real_redis, 40), "the scorers to score all 40")
     for stop in stops:
         stop.set()
     stages = await asyncio.gather(*tasks)
@@ -196,11 +190,8 @@ async def test_scorer_trims_acked_entries_of_both_streams(
     settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, retention_s=0,
                               block_ms=20)
     task = asyncio.create_task(run_scorer(settings, stop, trim_every_s=0.05))
-    for _ in range(100):
-        if await real_redis.xlen(scored_key) == 4:
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.2)
+    await until(lambda: _scored_at_least(real_redis, 4), "all 4 groups scored")
+    await asyncio.sleep(0.2)  # trim rounds run (every 0.05 s): nothing may go yet
     traj_key = stream_key(RUN, 0, "traj")
     # The scorers acked every traj entry, but the scored entries name them and the trainer
     # has consumed none: both streams are kept whole.
@@ -208,10 +199,11 @@ async def test_scorer_trims_acked_entries_of_both_streams(
     assert await real_redis.xlen(scored_key) == 4
     taken = await real_redis.xreadgroup("trainer", "t", {scored_key: ">"}, count=3)
     await real_redis.xack(scored_key, "trainer", *[i for i, _ in taken[0][1]])
-    for _ in range(50):
-        if await real_redis.xlen(scored_key) == 1 and await real_redis.xlen(traj_key) == 1:
-            break
-        await asyncio.sleep(0.05)
+
+    async def trimmed() -> bool:
+        return await real_redis.xlen(scored_key) == 1 and await real_redis.xlen(traj_key) == 1
+
+    await until(trimmed, "the consumed groups to be trimmed")
     stop.set()
     await asyncio.wait_for(task, 30)
     assert await real_redis.xlen(scored_key) == 1  # only the unread group is left
@@ -262,3 +254,7 @@ async def test_batch_scoped_rewards_score_each_read_together(redis: aioredis.Red
         [0.5 - 1 / 51, min(0.0, 0.5 - 21 / 51)])
     assert [s.components["by_batch"] for s in groups["b"].scores] == pytest.approx(
         [0.5 - 51 / 51, 0.0])
+
+
+async def _scored_at_least(redis: aioredis.Redis, count: int) -> bool:
+    return int(await redis.xlen(stream_key(RUN, 0, "scored"))) >= count

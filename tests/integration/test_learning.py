@@ -19,8 +19,6 @@ import httpx
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-import torch
-from transformers import AutoModelForCausalLM
 
 from consumers.trainer import TrainerClient, TrainerClientSettings
 from ops.demo import DemoOptions, Processes, run_demo, start_roles, trainer_argv
@@ -29,6 +27,9 @@ from producers.publisher import Publisher
 from schemas import decode_trajectory
 from schemas.keys import stream_key
 from tests.redis_server import RedisServer
+
+torch = pytest.importorskip("torch", reason="needs the train extra")
+transformers = pytest.importorskip("transformers", reason="needs the train extra")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -109,7 +110,8 @@ async def test_weight_reload_changes_outputs_and_stamped_version(
               "temperature": 0, "logprobs": 0, "return_token_ids": True}
     async with httpx.AsyncClient(base_url=vllm_server.url, timeout=60) as http:
         before = (await http.post("/v1/completions", json=prompt)).json()["choices"][0]
-        model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tiny_model, torch_dtype=torch.float32)
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(torch.randn_like(parameter) * 0.5)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,11 @@ from ops.settings import ScorerSettings
 from producers.publisher import Publisher
 from schemas.keys import stream_key
 from tests.factories import make_group
+from tests.waiting import until
 
 RUN = "outage"
 QUICK = ("components:\n  - name: length\n    component: length_bounty\n"
          "advantages: {zero_variance: keep}\n")
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        if asyncio.get_running_loop().time() > deadline:
-            pytest.fail("condition not reached in time")
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.slow

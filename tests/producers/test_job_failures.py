@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from schemas.keys import (
 )
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
+from tests.waiting import until
 
 RUN = "jobs"
 Behaviour = Callable[[int, int], Any]  # (item index, call number) -> None, or raise
@@ -337,14 +338,6 @@ asyncio.run(main())
 REPO = Path(__file__).resolve().parents[2]
 
 
-async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.slow
 async def test_a_job_whose_worker_was_killed_is_run_again_after_the_job_timeout(
         real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
@@ -362,7 +355,7 @@ async def test_a_job_whose_worker_was_killed_is_run_again_after_the_job_timeout(
         sys.executable, "-c", CHILD_WORKER, redis_server.url, RUN, cwd=REPO,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
-        await until(lambda: real_redis.exists(f"arq:in-progress:{ident}"), 60,
+        await until(lambda: real_redis.exists(f"arq:in-progress:{ident}"),
                     "the first worker to start the job")
     finally:
         child.kill()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -17,16 +16,10 @@ from structlog.testing import capture_logs
 from schemas import BrokerUnavailable
 from schemas.keys import stream_key
 from tests.trainer.helpers import RUN, client, counter, publish_many
+from tests.waiting import until
 
 SCORED = stream_key(RUN, 0, "scored")
 DEAD = stream_key(RUN, 0, "dead")
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 def ended(logs: list[dict[str, object]]) -> int:
