@@ -9,7 +9,9 @@ hermes`` and a chat template that renders tools) serves a calculator agent writt
 message, ``max_tokens`` tokens per call (``ignore_eos``). ``direct``: the agent's base URL is
 vLLM's. ``gateway``: a ``rollq gateway`` process in front of it; each episode is opened
 (``POST /episodes``), run on its own base URL, and closed (the captured sequences come back).
-Both run back to back ``--runs`` times; the closing lines are the median ratio of completion
+``direct+lp``: straight to vLLM, asking the logprobs and token ids the gateway forces, which
+separates what capture asks of vLLM from the gateway's own cost. All run back to back
+``--runs`` times; the closing lines are the median ratio of completion
 tokens/s (gateway/direct, goal >= 0.9) and the added latency per call (p50/p99 of the
 gateway's call latencies minus the direct ones, medians over runs).
 """
@@ -65,20 +67,25 @@ class Run:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-async def episode(client: openai.AsyncOpenAI, max_tokens: int, run: Run) -> None:
+async def episode(client: openai.AsyncOpenAI, max_tokens: int, run: Run, *,
+                  capture_fields: bool = False) -> None:
     messages: list[Any] = [{"role": "user", "content": "What is 6*7? Use the calculator."}]
+    extra: dict[str, Any] = {"ignore_eos": True}
+    if capture_fields:  # what the gateway asks vLLM for on the agent's behalf
+        extra.update(logprobs=True, return_token_ids=True)
     for turn in range(3):
         started = time.perf_counter()
         reply = await client.chat.completions.create(
             model="rollq-tiny", messages=messages, tools=[TOOL], max_tokens=max_tokens,
-            temperature=1.0, extra_body={"ignore_eos": True})
+            temperature=1.0, extra_body=extra)
         run.latencies.append(time.perf_counter() - started)
         run.tokens += reply.usage.completion_tokens if reply.usage else 0
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": f"call-{turn}", "content": "42"})
 
 
-async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Namespace) -> Run:
+async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Namespace,
+                       *, capture_fields: bool = False) -> Run:
     run = Run()
     slots = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=600) as http:
@@ -92,7 +99,7 @@ async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Na
                     base = f"{gateway_url}{opened['base_path']}"
                 client = openai.AsyncOpenAI(base_url=base, api_key="x", http_client=http,
                                             max_retries=0)
-                await episode(client, args.max_tokens, run)
+                await episode(client, args.max_tokens, run, capture_fields=capture_fields)
                 if gateway_url is not None:
                     closed = await http.post(f"{gateway_url}/episodes/{opened['episode_id']}/close")
                     assert closed.status_code == 200 and closed.json()["sequences"]
@@ -134,14 +141,15 @@ async def measure(vllm_url: str, gateway_url: str,
           f"{args.concurrency}, {args.runs} runs; {os.cpu_count()} CPUs", flush=True)
     await run_workload(vllm_url, None, args)  # warm-up, untimed
     await run_workload(vllm_url, gateway_url, args)
-    results: dict[str, list[Run]] = {"direct": [], "gateway": []}
+    results: dict[str, list[Run]] = {"direct": [], "direct+lp": [], "gateway": []}
     for number in range(args.runs):
-        for name in ("direct", "gateway"):
-            run = await run_workload(vllm_url, gateway_url if name == "gateway" else None, args)
+        for name in results:
+            run = await run_workload(vllm_url, gateway_url if name == "gateway" else None, args,
+                                     capture_fields=name == "direct+lp")
             results[name].append(run)
             drift = (f" token-in {run.token_in}/{len(run.latencies)} calls"
                      if name == "gateway" else "")
-            print(f"run {number + 1}/{args.runs} {name:7s}: {run.seconds:6.2f} s "
+            print(f"run {number + 1}/{args.runs} {name:9s}: {run.seconds:6.2f} s "
                   f"{run.tokens:6d} tokens {run.tokens_per_s:7.1f} tokens/s "
                   f"p50 {percentile(run.latencies, 0.5) * 1000:6.1f} ms "
                   f"p99 {percentile(run.latencies, 0.99) * 1000:6.1f} ms{drift}", flush=True)
@@ -208,6 +216,10 @@ def report(results: dict[str, list[Run]]) -> None:
           f"tokens/s")
     print(f"added latency per call: p50 {added[0.5] * 1000:.1f} ms, "
           f"p99 {added[0.99] * 1000:.1f} ms")
+    captured = median_of(g.tokens_per_s / d.tokens_per_s for d, g in zip(
+        results["direct+lp"], results["gateway"], strict=True))
+    print(f"gateway / direct asking the same logprobs and token ids: {captured:.2f} "
+          "(what the gateway itself costs, beyond what capture asks of vLLM)")
     verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
     print(f"ratio {ratio:.2f} (gateway/direct tokens/s, goal >= {TARGET_RATIO}) {verdict}")
 

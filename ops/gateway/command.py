@@ -21,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--episode-ttl", type=float, dest="episode_ttl_s",
                         help="drop an episode idle this many seconds [3600]")
     parser.add_argument("--continuation-check", choices=["after", "before"],
-                        help="check a chat continuation for re-tokenisation after sending it "
-                        "(no extra request; a drifted reply is resent token-in) or before "
-                        "(two /tokenize renders per continuation) [after]")
+                        help="check a chat continuation for re-tokenisation before sending it "
+                        "(two /tokenize renders) or after (no extra request unless it "
+                        "drifted: then the reply is discarded and resent token-in) [before]")
 
 
 async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:

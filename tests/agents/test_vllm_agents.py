@@ -27,7 +27,7 @@ from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
 from producers.inference.capture import RemoteGateway
 from schemas import TrajectoryGroup
 from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow, RewritingEnv
-from tests.agents.helpers import served, trainable_runs
+from tests.agents.helpers import kept_replies, served, trainable_runs
 from tests.agents.pipeline import run_workers, score_and_train
 from tests.integration.recording import RecordingTransport
 from tests.redis_server import RedisServer
@@ -63,8 +63,13 @@ def tool_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]
 
 def check_exact(groups: list[TrajectoryGroup], recorder: RecordingTransport) -> None:
     replies = [reply for path, _, reply in recorder.exchanges if path in GENERATION]
+    kept = [reply for reply in replies if any(reply in kept_replies(
+        list(g.completions), list(g.prompt_ids), [reply]) for g in groups)]
+    # the gateway checks continuations after sending: a drifted reply is discarded, resent
+    resent = sum(c.info["capture"]["resent"] for g in groups for c in g.completions)
+    assert len(replies) - len(kept) == resent
     runs = sorted(run for g in groups for c in g.completions for run in trainable_runs(c))
-    assert runs == sorted(served(reply) for reply in replies)
+    assert runs == sorted(served(reply) for reply in kept)
     for group in groups:
         for completion in group.completions:
             assert 2 <= completion.info["capture"]["calls"] <= 4
