@@ -66,12 +66,34 @@ class ClusterClient(RedisCluster):
     """How long a write waits for them (milliseconds) before it counts as failed."""
 
     async def initialize(self) -> ClusterClient:
+        if self._initialize:
+            self._restore_startup_nodes()
         try:
             await super().initialize()
-        except (redis_errors.RedisClusterException, redis_errors.ClusterError) as exc:
+        except (redis_errors.RedisClusterException, redis_errors.ClusterError,
+                RuntimeError) as exc:
+            # RuntimeError: redis-py iterates its start-up nodes while a failing command
+            # elsewhere removes one ("dictionary changed size during iteration")
             raise redis_errors.ConnectionError(
                 f"redis cluster unavailable: cannot read its topology: {exc}") from exc
+        self._known_nodes().update(self.nodes_manager.nodes_cache)
         return self
+
+    def _known_nodes(self) -> set[str]:
+        known: set[str] | None = getattr(self, "_known", None)
+        if known is None:
+            known = self._known = set(self.nodes_manager.startup_nodes)
+        return known
+
+    def _restore_startup_nodes(self) -> None:
+        """Ask every node ever seen for the topology again. redis-py drops a node from its
+        start-up list on each connection error, healthy nodes included when a failover
+        breaks connections in flight, and with the list empty it could never reconnect."""
+        manager = self.nodes_manager
+        for name in self._known_nodes() - set(manager.startup_nodes):
+            host, _, port = name.rpartition(":")
+            manager.startup_nodes[name] = ClusterNode(host, int(port),
+                                                      **manager.connection_kwargs)
 
     async def aclose(self) -> None:
         """Close every connection. Unlike redis-py's, also when a topology refresh is due:

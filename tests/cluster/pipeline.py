@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -114,7 +116,8 @@ async def _run(stack: contextlib.ExitStack, tmp_path: Path, *, data_url: str, qu
                     break
     finally:
         stop.set()
-        roles[1].cancel()
+        if not roles[1].done():  # the workers' graceful stop (their loop's SIGTERM handler)
+            os.kill(os.getpid(), signal.SIGTERM)
         for task in roles:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(task, 60)
