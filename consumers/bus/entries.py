@@ -1,0 +1,70 @@
+"""What every part of the bus shares: a delivered entry, entry ids, the cluster test and
+the translation of connection failures into ``BrokerUnavailable``."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import redis.exceptions as redis_errors
+from redis.asyncio.cluster import RedisCluster
+
+from schemas import BrokerUnavailable, Fields
+from schemas.keys import PREFIX
+
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # ASCII digits: \d takes any script's
+_MAX_ID_PART = 2**64 - 1  # a stream id is two unsigned 64-bit numbers, ms-seq
+_STREAM_RUN = re.compile(re.escape(PREFIX) + r":\{([A-Za-z0-9_.\-]+):[0-9]+\}:")
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One stream entry handed to this consumer."""
+
+    stream: str
+    entry_id: str
+    fields: Fields
+    deliveries: int = 1
+    """Times the entry has been delivered, this delivery included."""
+
+
+@asynccontextmanager
+async def translated_errors(action: str) -> AsyncIterator[None]:
+    """Turn redis-py connection failures into ``BrokerUnavailable``."""
+    try:
+        yield
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise BrokerUnavailable(f"redis unavailable while {action}: {exc}") from exc
+
+
+def is_cluster(redis: object) -> bool:
+    """Whether ``redis`` is a Redis Cluster client (each partition then has a slot of its
+    own, and no command or transaction may span partitions)."""
+    return isinstance(redis, RedisCluster)
+
+
+def is_entry_id(text: str) -> bool:
+    """Whether ``text`` is a complete stream entry id Redis can hold: ``ms-seq``, two
+    unsigned 64-bit decimal numbers."""
+    match = _ENTRY_ID.fullmatch(text)
+    return match is not None and all(int(part) <= _MAX_ID_PART for part in match.groups())
+
+
+def run_of_stream(key: str) -> str | None:
+    """The run a partition stream key (``rollq:{<run>:<p>}:<name>``) belongs to; None for
+    a key of another shape."""
+    match = _STREAM_RUN.match(key)
+    return match.group(1) if match else None
+
+
+def as_text(value: bytes | str) -> str:
+    """A stream key, entry id or group name as text (redis-py replies give bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def id_order(entry_id: str) -> tuple[int, int]:
+    """Sort key of an entry id: (ms, seq) as numbers."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

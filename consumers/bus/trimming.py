@@ -1,0 +1,92 @@
+"""Safe trimming: a stream loses only entries no consumer group still needs, and a traj
+stream keeps every entry that a scored entry not yet consumed names."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from consumers.bus.entries import translated_errors
+from schemas.keys import partner_key
+
+# KEYS[1] stream; ARGV[1] retention floor id ('' for none). Trims below the oldest entry some
+# consumer group still needs: its oldest pending entry, or the first one it has not read.
+# Without consumer groups nothing is trimmed: nobody has consumed anything yet.
+# KEYS[2], when given, is a stream whose entries name entries of KEYS[1] in field 'traj'
+# (the partition's scored stream): every entry named by one that some group of KEYS[2] has
+# not consumed (all of them, before KEYS[2] has a group) is kept, and with a retention
+# floor so is the trajectory of the oldest scored entry still retained (trainer replay).
+_SAFE_TRIM = """
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if ms == nil then return nil end
+  return {tonumber(ms), tonumber(seq)}
+end
+local function less(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end
+local function needed(key)
+  if redis.call('EXISTS', key) == 0 then return nil end
+  local floor = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    local info = {}
+    for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
+    local last = parse(info['last-delivered-id'])
+    local candidate = {last[1], last[2] + 1}
+    if info['pending'] > 0 then
+      local oldest = parse(redis.call('XPENDING', key, info['name'])[2])
+      if less(oldest, candidate) then candidate = oldest end
+    end
+    if floor == nil or less(candidate, floor) then floor = candidate end
+  end
+  return floor
+end
+local function ref(fields)
+  for i = 1, #fields, 2 do
+    if fields[i] == 'traj' then return parse(fields[i + 1]) end
+  end
+  return nil
+end
+local floor = needed(KEYS[1])
+if floor == nil then return 0 end
+if ARGV[1] ~= '' then
+  local retention = parse(ARGV[1])
+  if less(retention, floor) then floor = retention end
+end
+if #KEYS > 1 then
+  local unconsumed = needed(KEYS[2])
+  local from = '-'
+  if unconsumed ~= nil then from = unconsumed[1] .. '-' .. unconsumed[2] end
+  local entries = redis.call('XRANGE', KEYS[2], from, '+')
+  if ARGV[1] ~= '' then
+    local kept = redis.call('XRANGE', KEYS[2], ARGV[1], '+', 'COUNT', 1)
+    if #kept > 0 then table.insert(entries, kept[1]) end
+  end
+  for _, entry in ipairs(entries) do
+    local named = ref(entry[2])
+    if named ~= nil and less(named, floor) then floor = named end
+  end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', floor[1] .. '-' .. floor[2])
+"""
+
+async def trim_streams(redis: aioredis.Redis, streams: Sequence[str],
+                       retention_ms: int | None = None) -> int:
+    """Trim streams below the oldest entry some consumer group still needs.
+
+    Safe from any process: each group's floor is its oldest pending or first unread entry,
+    read in the same script as the XTRIM. ``retention_ms`` also keeps acknowledged entries
+    younger than that, for replay (rescore, trainer resume). A stream without consumer
+    groups is left alone. Returns the number of entries removed.
+    """
+    floor = ""
+    if retention_ms is not None:
+        floor = f"{max(0, int(time.time() * 1000) - retention_ms)}-0"
+    removed = 0
+    async with translated_errors("trimming"):
+        for stream in streams:
+            keys = [stream]
+            if stream.endswith(":traj"):  # scored entries name traj entries: keep those
+                keys.append(partner_key(stream, "scored"))
+            removed += int(await redis.eval(_SAFE_TRIM, len(keys), *keys, floor))
+    return removed
