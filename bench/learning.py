@@ -21,7 +21,8 @@ seeds, and the rollq/bare steps/s ratio (goal >= 0.8). Results: ``--out``/result
 
 Run from the repository root::
 
-    python -m bench.learning --vllm-python .venv-vllm/bin/python [--seeds 3 --steps 600]
+    python -m bench.learning --vllm-python .venv-vllm/bin/python \
+        [--seeds 3 --steps 650 --bare-steps 300]
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ops.demo import EXAMPLE_TRAINER, SUMS_REWARD, DemoOptions, learning_curves,
 from ops.stack import VllmProcess
 from producers.envs.sums import CHANCE
 
-MARKS = (0, 100, 200, 300, 400, 500, 600)
+MARKS = (0, 100, 200, 300, 400, 500, 600, 650)
 """Steps at which the table shows accuracy (the nearest evaluation at or before)."""
 
 
@@ -290,12 +291,14 @@ def report(results: dict[str, Any]) -> None:
         print_table(["run", *(f"step {m}" for m in MARKS)], rows,
                     f"{split} accuracy (greedy; chance {CHANCE:.3f})")
     rows = [[name, f"{c['steps_per_s']:.3f}", c["steps"]["step"][-1] if c["steps"]["step"] else 0,
-             cell(c["format_min"]), cell(c["format_min_10"]), cell(c["train_accuracy_final"]),
+             cell(c["format_min"]), cell(c["format_min_10"]),
+             cell(min(c["evals"]["train_format"], default=None)), cell(c["train_accuracy_final"]),
              cell(c["heldout_accuracy_final"]),
              "-" if c["seconds_to_train_accuracy_0_9"] is None
              else f"{c['seconds_to_train_accuracy_0_9']:.0f}"]
             for name, c in results.items()]
-    print_table(["run", "steps/s", "steps", "format min", "min of 10", "train final",
+    print_table(["run", "steps/s", "steps", "format min", "min of 10", "greedy format min",
+                 "train final",
                  "held-out final",
                  "s to train 0.9"], rows, "runs")
     seeds = [c for name, c in results.items() if name.startswith("rollq-")]
