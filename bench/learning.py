@@ -21,8 +21,7 @@ seeds, and the rollq/bare steps/s ratio (goal >= 0.8). Results: ``--out``/result
 
 Run from the repository root::
 
-    python -m bench.learning --vllm-python .venv-vllm/bin/python \
-        [--seeds 3 --steps 650 --bare-steps 300]
+    python -m bench.learning [--vllm-python .venv-vllm/bin/python] [--bare-steps 300]
 """
 
 from __future__ import annotations
