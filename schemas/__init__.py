@@ -33,9 +33,9 @@ from schemas.models import (
     SCHEMA_VERSION,
     Completion,
     DeadLetter,
-    Message,
     ScoredGroup,
     SequenceScore,
+    StreamGroup,
     TrajectoryGroup,
 )
 
@@ -49,11 +49,11 @@ __all__ = [
     "DecodeError",
     "Fields",
     "InferenceUnavailable",
-    "Message",
     "RewardError",
     "RollqError",
     "ScoredGroup",
     "SequenceScore",
+    "StreamGroup",
     "TrajectoryGroup",
     "TransientError",
     "UnknownVersionError",

@@ -49,9 +49,9 @@ from schemas.models import (
     Completion,
     DeadLetter,
     FiniteFloat,
-    Message,
     ScoredGroup,
     SequenceScore,
+    StreamGroup,
     TrajectoryGroup,
     check_json,
     check_tokens,
@@ -142,7 +142,7 @@ TRAJECTORY_REF = b"traj"
 """Field of a reference-form scored entry: the id of its trajectory's traj entry."""
 
 
-def encode(message: Message, *, trajectory_id: str | None = None) -> Fields:
+def encode(message: StreamGroup, *, trajectory_id: str | None = None) -> Fields:
     """Encode a trajectory or scored group into stream entry fields.
 
     For a scored group, ``trajectory_id`` (the id of the traj entry it was decoded from)
@@ -538,7 +538,7 @@ def join_trajectory(scored: Mapping[bytes, bytes], trajectory: Mapping[bytes, by
 
 
 def decode(fields: Mapping[bytes, bytes], *, run: str | None = None,
-           vocab_size: int | None = None) -> Message:
+           vocab_size: int | None = None) -> StreamGroup:
     """Decode stream entry fields into a ``TrajectoryGroup`` or ``ScoredGroup`` (a scored
     entry in its inline form: see ``join_trajectory``).
 

@@ -255,4 +255,4 @@ class DeadLetter(_Frozen):
     """The original entry's fields, unchanged, so it can be requeued or inspected."""
 
 
-Message = TrajectoryGroup | ScoredGroup
+StreamGroup = TrajectoryGroup | ScoredGroup

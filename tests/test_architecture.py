@@ -57,7 +57,7 @@ def test_schemas_public_surface_is_pinned() -> None:
 
     assert sorted(schemas.__all__) == sorted([
         "SCHEMA_VERSION", "BrokerUnavailable", "Completion", "ConfigError", "ContractError",
-        "DeadLetter", "DecodeError", "Fields", "InferenceUnavailable", "Message",
+        "DeadLetter", "DecodeError", "Fields", "InferenceUnavailable", "StreamGroup",
         "RewardError", "RollqError", "ScoredGroup", "SequenceScore", "TrajectoryGroup",
         "TransientError", "UnknownVersionError", "broadcast", "decode", "decode_dead",
         "decode_scored", "decode_trajectory", "encode", "encode_dead", "encode_scores",

@@ -13,7 +13,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from consumers.bus import ReaderSettings, StreamReader, join_trajectories
-from consumers.scorer import GroupScore, RewardBridge, RewardConfig, RewardError, Sample
+from consumers.scorer import GroupScore, RewardBridge, RewardConfig, Sample, ScoringError
 from consumers.scorer.consumer import Scorer
 from consumers.stage import Stage
 from ops.cli import Exit, main
@@ -234,7 +234,7 @@ async def test_batch_scoped_rewards_score_each_read_together(redis: aioredis.Red
         calls: list[int] = []
         score_groups = bridge.score_groups
 
-        async def counted(groups: Sequence[Sequence[Sample]]) -> list[GroupScore | RewardError]:
+        async def counted(groups: Sequence[Sequence[Sample]]) -> list[GroupScore | ScoringError]:
             calls.append(len(groups))
             return await score_groups(groups)
 

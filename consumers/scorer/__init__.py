@@ -26,7 +26,7 @@ from consumers.scorer.config import (
     RewardConfig,
     TraceSettings,
 )
-from consumers.scorer.errors import ConfigError, MissingFieldError, RewardError
+from consumers.scorer.errors import MissingFieldError, RewardConfigError, ScoringError
 from consumers.scorer.pool import WorkerPool
 from consumers.scorer.sample import Sample
 from consumers.scorer.traces import Trace, extract_reasoning
@@ -39,16 +39,16 @@ __all__ = [
     "ComponentEntry",
     "ComponentFlag",
     "ComponentSettings",
-    "ConfigError",
     "GroupScore",
     "MissingFieldError",
     "PoolSettings",
     "RewardBridge",
     "RewardComponent",
     "RewardConfig",
-    "RewardError",
+    "RewardConfigError",
     "Sample",
     "Score",
+    "ScoringError",
     "Trace",
     "TraceSettings",
     "WorkerPool",

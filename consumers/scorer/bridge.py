@@ -10,7 +10,7 @@ pool process is tried again `retries` times (short back-off); if it still fails,
 sample's value is unknown, and the entry's `on_error` says what that means:
 
 - `dead_letter` (default): the group cannot be scored now; `score_groups` returns a
-  `RewardError` naming the component for it (`score_batch`/`score_group` raise it). The
+  `ScoringError` naming the component for it (`score_batch`/`score_group` raise it). The
   scorer retries the group, then dead-letters it as `reward_error`.
 - `skip_component`: the value is None for that sample (it adds nothing to the total) and
   a `ComponentFlag` records why; components that read correctness see `correct=None`.
@@ -43,7 +43,7 @@ from consumers.scorer.advantages import (
 )
 from consumers.scorer.components import RewardComponent, Score
 from consumers.scorer.config import ComponentEntry, RewardConfig
-from consumers.scorer.errors import MissingFieldError, RewardError
+from consumers.scorer.errors import MissingFieldError, ScoringError
 from consumers.scorer.pool import WorkerPool
 from consumers.scorer.sample import Sample
 from consumers.scorer.traces import extract_reasoning
@@ -58,7 +58,7 @@ class ComponentFlag:
 
     - `component`: the entry's name; `sample`: the completion's index in its group.
     - `reason`: `timeout`, `error`, `non_finite`, `bad_token_rewards`, or the reason a
-      `RewardError` carried (e.g. `prm_error`, `worker_died`).
+      `ScoringError` carried (e.g. `prm_error`, `worker_died`).
     - `policy`: what was applied (`skip_component`: the value is None); `detail`: the
       error text.
     """
@@ -107,7 +107,7 @@ class GroupScore:
 class _Outcome:
     scores: list[list[Score]]  # [group][sample]
     flags: list[list[ComponentFlag]]  # [group]
-    failures: list[RewardError | None]  # [group]: the first failure under dead_letter
+    failures: list[ScoringError | None]  # [group]: the first failure under dead_letter
     seconds: float = 0.0
 
 
@@ -187,18 +187,18 @@ class RewardBridge:
         """
         results = await self.score_groups(groups)
         for result in results:
-            if isinstance(result, RewardError):
+            if isinstance(result, ScoringError):
                 raise result
-        return [result for result in results if not isinstance(result, RewardError)]
+        return [result for result in results if not isinstance(result, ScoringError)]
 
     async def score_groups(
         self, groups: Sequence[Sequence[Sample]]
-    ) -> list[GroupScore | RewardError]:
+    ) -> list[GroupScore | ScoringError]:
         """Score several groups together, each failing on its own: per group, its scores,
         or `MissingFieldError` (it lacks a metadata field a component needs; it is then
-        left out of the batch population), or `RewardError` (a `dead_letter` component
+        left out of the batch population), or `ScoringError` (a `dead_letter` component
         failed on one of its samples after the retries; the error names the component)."""
-        results: list[GroupScore | RewardError | None] = [
+        results: list[GroupScore | ScoringError | None] = [
             self._missing_field(group) for group in groups]
         live = [index for index, result in enumerate(results) if result is None]
         scored = await self._score_live([list(groups[index]) for index in live])
@@ -206,7 +206,7 @@ class RewardBridge:
             results[index] = result
         return [result for result in results if result is not None]
 
-    async def _score_live(self, groups: list[list[Sample]]) -> list[GroupScore | RewardError]:
+    async def _score_live(self, groups: list[list[Sample]]) -> list[GroupScore | ScoringError]:
         if not groups:
             return []
         correctness = self.config.correctness_name()
@@ -219,7 +219,7 @@ class RewardBridge:
                       for group, scores in zip(groups, outcomes[correctness].scores, strict=True)]
         outcomes |= await self._run_all(second, groups)
         outcomes = {entry.name: outcomes[entry.name] for entry, _ in self._components}
-        results: list[GroupScore | RewardError] = []
+        results: list[GroupScore | ScoringError] = []
         for index, group in enumerate(groups):
             failure = next((o.failures[index] for o in outcomes.values()
                             if o.failures[index] is not None), None)
@@ -310,13 +310,13 @@ class RewardBridge:
               exc: Exception) -> Score:
         if isinstance(exc, TimeoutError):
             reason, detail = "timeout", f"no result within {entry.timeout_s} s"
-        elif isinstance(exc, RewardError):
+        elif isinstance(exc, ScoringError):
             reason, detail = exc.reason, str(exc)
         else:
             reason, detail = "error", f"{type(exc).__name__}: {exc}"
         if entry.on_error == "dead_letter":
             if outcome.failures[group_index] is None:
-                outcome.failures[group_index] = RewardError(
+                outcome.failures[group_index] = ScoringError(
                     reason, f"component {entry.name!r} failed on sample {index} "
                     f"({reason}, {entry.retries + 1} tries): {detail}", component=entry.name)
         else:
@@ -395,9 +395,9 @@ def _is_correct(score: Score) -> bool | None:
 
 def _checked(score: Score, length: int) -> Score:
     if score.value is not None and not math.isfinite(score.value):
-        raise RewardError("non_finite", f"component returned {score.value!r}")
+        raise ScoringError("non_finite", f"component returned {score.value!r}")
     if score.token_rewards is not None and len(score.token_rewards) != length:
-        raise RewardError("bad_token_rewards", f"{len(score.token_rewards)} token rewards "
+        raise ScoringError("bad_token_rewards", f"{len(score.token_rewards)} token rewards "
                           f"for {length} tokens")
     if score.value is not None and type(score.value) is not float:  # int, numpy scalar
         return dataclasses.replace(score, value=float(score.value))

@@ -36,7 +36,7 @@ from pydantic import (
 
 from consumers.scorer.advantages import AdvantageMethod
 from consumers.scorer.components import COMPONENTS, RewardComponent, resolve_component
-from consumers.scorer.errors import ConfigError
+from consumers.scorer.errors import RewardConfigError
 from consumers.scorer.pool import StartMethod
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -72,7 +72,7 @@ class ComponentEntry(BaseModel):
     - `settings`: the component's own settings (validated against its settings model).
     - `on_error`: what a call that still fails after `retries` means (it raised, timed
       out, or its pool process died: the reward is unknown, never 0):
-      `dead_letter` (the default: the group fails with a `RewardError`; the scorer
+      `dead_letter` (the default: the group fails with a `ScoringError`; the scorer
       retries it, then dead-letters it as `reward_error` naming this component) or
       `skip_component` (this component's value is None for that sample: it adds nothing
       to the total, is flagged in the scored entry and counted under
@@ -252,11 +252,11 @@ class RewardConfig(BaseModel):
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> RewardConfig:
-        """Validate `data`; raises ConfigError naming every offending field."""
+        """Validate `data`; raises RewardConfigError naming every offending field."""
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError("invalid reward config: " + _describe(exc)) from None
+            raise RewardConfigError("invalid reward config: " + _describe(exc)) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> RewardConfig:
@@ -264,9 +264,9 @@ class RewardConfig(BaseModel):
         try:
             data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read reward config {str(path)!r}: {exc}") from None
+            raise RewardConfigError(f"cannot read reward config {str(path)!r}: {exc}") from None
         if not isinstance(data, Mapping):
-            raise ConfigError(f"reward config {str(path)!r} must be a mapping")
+            raise RewardConfigError(f"reward config {str(path)!r} must be a mapping")
         return cls.from_mapping(data)
 
 

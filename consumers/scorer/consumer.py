@@ -37,7 +37,7 @@ import structlog
 from consumers.bus import Delivery, translated_errors
 from consumers.scorer.bridge import GroupScore, RewardBridge
 from consumers.scorer.config import RewardConfig
-from consumers.scorer.errors import RewardError
+from consumers.scorer.errors import ScoringError
 from consumers.scorer.sample import Sample
 from consumers.stage import BatchTransform, Drop, Forward, Outcome
 from schemas import (
@@ -143,17 +143,17 @@ class Scorer:
 
     async def score(self, group: TrajectoryGroup) -> ScoredGroup | str:
         """Score a group: the scored message, or the reason it is dropped. Raises
-        ``RewardError`` when it cannot be scored (see the module docstring)."""
+        ``ScoringError`` when it cannot be scored (see the module docstring)."""
         return self.finish(group, await self.bridge.score_group(self.samples(group)))
 
     async def score_many(
         self, groups: Sequence[TrajectoryGroup]
-    ) -> list[ScoredGroup | str | RewardError]:
+    ) -> list[ScoredGroup | str | ScoringError]:
         """Score groups together (one ``score_groups`` call; ``scope: batch`` components see
         all of them): per group, its scored message, the reason it is dropped, or the
-        ``RewardError`` it failed with."""
+        ``ScoringError`` it failed with."""
         scores = await self.bridge.score_groups([self.samples(group) for group in groups])
-        return [score if isinstance(score, RewardError) else self.finish(group, score)
+        return [score if isinstance(score, ScoringError) else self.finish(group, score)
                 for group, score in zip(groups, scores, strict=True)]
 
     async def __call__(self, delivery: Delivery) -> Outcome:
@@ -180,7 +180,7 @@ class Scorer:
             [self.samples(group) for _, group in decoded])
         flagged: list[tuple[Delivery, Sequence[str]]] = []
         for (index, group), score in zip(decoded, scores, strict=True):
-            if isinstance(score, RewardError):
+            if isinstance(score, ScoringError):
                 results[index] = score
                 continue
             try:

@@ -1,8 +1,8 @@
 """The scorer's errors, as branches of rollq's one exception tree (`schemas.errors`).
 
-- `ConfigError`: the reward configuration is invalid. Raised at start-up, before any entry
+- `RewardConfigError`: the reward configuration is invalid. Raised at start-up, before any entry
   is read; the message names the offending field.
-- `RewardError`: a group could not be scored: a component under `on_error: dead_letter`
+- `ScoringError`: a group could not be scored: a component under `on_error: dead_letter`
   still failed (raised, timed out, lost its pool process) after its in-process retries —
   the reward is unknown, so the scorer retries the group and then dead-letters it as
   `reward_error` (`schemas.failures`) — or it cannot be scored at all
@@ -16,11 +16,11 @@ from schemas.errors import ConfigError as _RollqConfigError
 from schemas.errors import RewardError as _RollqRewardError
 
 
-class ConfigError(_RollqConfigError):
+class RewardConfigError(_RollqConfigError):
     """The reward configuration is invalid; the message names the offending field."""
 
 
-class RewardError(_RollqRewardError):
+class ScoringError(_RollqRewardError):
     """A group could not be scored (see the module docstring for what happens to it).
 
     `reason` is a short tag (`"error"`, `"timeout"`, `"worker_died"`, `"missing_field"`);
@@ -33,7 +33,7 @@ class RewardError(_RollqRewardError):
         self.component = component
 
 
-class MissingFieldError(RewardError):
+class MissingFieldError(ScoringError):
     """The group's metadata lacks a field a configured component needs (e.g. the gold)."""
 
     def __init__(self, field: str, *, component: str) -> None:

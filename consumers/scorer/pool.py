@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, TypeVar, cast
 
-from consumers.scorer.errors import RewardError
+from consumers.scorer.errors import ScoringError
 
 ResultT = TypeVar("ResultT")
 StartMethod = Literal["spawn", "forkserver", "fork"]
@@ -97,7 +97,7 @@ class WorkerPool:
 
     Use as an async context manager; `run(function, *args, timeout_s=…)` calls
     `function(*args)` in a free worker (both must be picklable), raising TimeoutError past
-    `timeout_s` seconds (the worker is then replaced) and `RewardError` when the function
+    `timeout_s` seconds (the worker is then replaced) and `ScoringError` when the function
     raised (reason taken from the exception's `reason` attribute, else "error") or the
     worker died ("worker_died").
     """
@@ -142,7 +142,7 @@ class WorkerPool:
         if self._idle is None:
             raise RuntimeError("WorkerPool is not open (use it as an async context manager)")
         if self._revival_failure is not None:
-            raise RewardError("pool_broken", "a reward worker could not be restarted: "
+            raise ScoringError("pool_broken", "a reward worker could not be restarted: "
                               f"{self._revival_failure!r}")
         payload = bytes(ForkingPickler.dumps((function, args)))
         worker = await self._idle.get()
@@ -155,7 +155,7 @@ class WorkerPool:
         except TimeoutError:
             raise
         except (EOFError, OSError) as exc:
-            raise RewardError("worker_died", f"reward worker died: {exc!r}") from exc
+            raise ScoringError("worker_died", f"reward worker died: {exc!r}") from exc
         finally:
             if healthy:
                 self._idle.put_nowait(worker)
@@ -167,7 +167,7 @@ class WorkerPool:
                 task.add_done_callback(self._revived)
         if reply[0]:
             return cast(ResultT, reply[1])
-        raise RewardError(reply[1], reply[2])
+        raise ScoringError(reply[1], reply[2])
 
     async def _start(self) -> None:
         parent_end, child_end = self._context.Pipe()

@@ -11,7 +11,7 @@ process of the sandbox uid is left in any sandbox namespace.
 What the candidate does — exit codes, exceptions, signals, timeouts, floods of output —
 is a `SandboxResult`, never an exception. A failure of the sandbox itself (the directory
 cannot be made, the interpreter cannot be started, a namespace cannot be created, a
-process survives SIGKILL) raises `RewardError("sandbox_error", …)`: the reward is unknown,
+process survives SIGKILL) raises `ScoringError("sandbox_error", …)`: the reward is unknown,
 the bridge retries and then dead-letters (`reward_error`), never a score of 0.
 
 Uids: each run holds one of `uids` exclusively (a `flock` on a lock file in the work
@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from consumers.scorer.errors import ConfigError, RewardError
+from consumers.scorer.errors import RewardConfigError, ScoringError
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 """PATH of the candidate's environment, and where a bare `interpreter` name is looked up."""
@@ -131,31 +131,31 @@ class Sandbox:
     work_root: str | None = None
 
     def check(self) -> None:
-        """Run a trivial program once; raise `ConfigError` saying why when it cannot run.
+        """Run a trivial program once; raise `RewardConfigError` saying why when it cannot run.
 
         Called when a component opens, so a scorer that cannot sandbox refuses to start.
         """
         if os.geteuid() != 0:
-            raise ConfigError(
+            raise RewardConfigError(
                 "code sandbox: the scorer must run as root (it creates namespaces and drops "
                 f"privileges to uid {self.uids[0]}); it runs as uid {os.geteuid()}")
         try:
             result = self.run({"main.py": "print('sandbox ok')\n"})
-        except RewardError as exc:
+        except ScoringError as exc:
             hint = ""
             if "network namespace" in str(exc):
                 hint = ("; set allow_network: true to run candidates with the scorer's "
                         "network (trusted code only)")
-            raise ConfigError(f"code sandbox cannot run: {exc}{hint}") from None
+            raise RewardConfigError(f"code sandbox cannot run: {exc}{hint}") from None
         if result.stdout != b"sandbox ok\n":
-            raise ConfigError(
+            raise RewardConfigError(
                 f"code sandbox: {self.interpreter!r} did not run a trivial program as uid "
                 f"{self.uids[0]} (exit {result.returncode}): "
                 f"{result.stderr.decode('utf-8', 'replace')[-500:]}")
 
     def run(self, files: Mapping[str, str], *, stdin: str | None = None) -> SandboxResult:
         """Run `files["main.py"]` with `files` in its working directory and `stdin` (None:
-        an empty stdin); raise `RewardError("sandbox_error")` when the sandbox fails."""
+        an empty stdin); raise `ScoringError("sandbox_error")` when the sandbox fails."""
         interpreter = self._resolve_interpreter()
         root = self.work_root or tempfile.gettempdir()
         try:
@@ -170,12 +170,12 @@ class Sandbox:
                 finally:
                     _reap(uid)
         except OSError as exc:  # reading pipes, /proc, locks: the sandbox's own plumbing
-            raise RewardError("sandbox_error", f"the sandbox failed: {exc!r}") from exc
+            raise ScoringError("sandbox_error", f"the sandbox failed: {exc!r}") from exc
 
     def _resolve_interpreter(self) -> str:
         found = shutil.which(self.interpreter, path=SANDBOX_PATH)
         if found is None or not os.path.isabs(found):
-            raise RewardError("sandbox_error",
+            raise ScoringError("sandbox_error",
                               f"interpreter {self.interpreter!r} not found (PATH {SANDBOX_PATH})")
         return found
 
@@ -209,7 +209,7 @@ class Sandbox:
                     start_new_session=True)
         except OSError as exc:
             os.close(status_read)
-            raise RewardError("sandbox_error", f"cannot start the sandbox: {exc}") from exc
+            raise ScoringError("sandbox_error", f"cannot start the sandbox: {exc}") from exc
         finally:
             os.close(status_write)
         finished = False
@@ -220,7 +220,7 @@ class Sandbox:
                 process.wait(_STOP_GRACE_S)  # it exits right after writing the status
                 finished = True
         except subprocess.TimeoutExpired:
-            raise RewardError("sandbox_error", "the launcher did not exit") from None
+            raise ScoringError("sandbox_error", "the launcher did not exit") from None
         finally:
             if not finished:
                 _stop(process)
@@ -293,17 +293,17 @@ def _verdict(watched: _Watched, seconds: float, wall_s: float) -> SandboxResult:
     lines = watched.status.decode("utf-8", "replace").splitlines()
     errors = [line.removeprefix("error ") for line in lines if line.startswith("error ")]
     if errors:
-        raise RewardError("sandbox_error", f"the sandbox failed: {errors[0]}")
+        raise ScoringError("sandbox_error", f"the sandbox failed: {errors[0]}")
     if "ready" not in lines:
         what = f"did not start within {wall_s} s" if watched.timed_out else "died while starting"
-        raise RewardError("sandbox_error", f"the sandbox {what}")
+        raise ScoringError("sandbox_error", f"the sandbox {what}")
     stderr = bytes(watched.stderr[:_STDERR_KEPT])
     if watched.killed:
         return SandboxResult(None, bytes(watched.stdout), stderr, watched.timed_out,
                              watched.output_exceeded, seconds)
     exits = [line.removeprefix("exit ") for line in lines if line.startswith("exit ")]
     if not exits:
-        raise RewardError("sandbox_error", "the launcher exited without the candidate's status")
+        raise ScoringError("sandbox_error", "the launcher exited without the candidate's status")
     returncode = os.waitstatus_to_exitcode(int(exits[0]))
     return SandboxResult(returncode, bytes(watched.stdout), stderr, False, False, seconds)
 
@@ -315,7 +315,7 @@ def _run_directory(root: str, uid: int) -> Iterator[Path]:
     try:
         directory = Path(tempfile.mkdtemp(prefix=f"rollq-code-{uid}-", dir=root))
     except OSError as exc:
-        raise RewardError("sandbox_error", f"cannot create a run directory in {root!r}: "
+        raise ScoringError("sandbox_error", f"cannot create a run directory in {root!r}: "
                           f"{exc}") from exc
     try:
         yield directory
@@ -350,7 +350,7 @@ def _lock_file(root: str, uid: int) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise RewardError("sandbox_error", f"cannot open the uid lock {path!r}: {exc}") from exc
+        raise ScoringError("sandbox_error", f"cannot open the uid lock {path!r}: {exc}") from exc
 
 
 def sandbox_processes(uid: int) -> list[int]:
@@ -386,6 +386,6 @@ def _reap(uid: int) -> None:
                 finally:
                     os.close(descriptor)
         if time.monotonic() > deadline:
-            raise RewardError("sandbox_error",
+            raise ScoringError("sandbox_error",
                               f"processes {pids} of sandbox uid {uid} survived SIGKILL")
         time.sleep(0.01)

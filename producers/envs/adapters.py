@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from producers.envs.multiturn import StepResult
 from producers.envs.observations import Observation
-from producers.inference import Message
+from producers.inference import MessageDict
 
 
 async def _resolve(value: Any) -> Any:
@@ -50,7 +50,7 @@ class GemAdapter:
 
 
 class SkyRLStyleEnv(Protocol):
-    def init(self, prompt: list[Message]) -> Any: ...
+    def init(self, prompt: list[MessageDict]) -> Any: ...
 
     def step(self, action: str) -> Any: ...
 
@@ -58,7 +58,7 @@ class SkyRLStyleEnv(Protocol):
 class SkyRLGymAdapter:
     """``MultiTurnEnv`` over a SkyRL-gym-style text env built for one item."""
 
-    def __init__(self, env: SkyRLStyleEnv, prompt: list[Message]) -> None:
+    def __init__(self, env: SkyRLStyleEnv, prompt: list[MessageDict]) -> None:
         self.env, self.prompt = env, prompt
 
     async def reset(self, seed: int) -> Observation:

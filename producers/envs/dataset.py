@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from producers.envs.base import Item, PolicyVersion, Rollout
-from producers.inference import InferencePool, Message, SamplingParams
+from producers.inference import InferencePool, MessageDict, SamplingParams
 from schemas import ConfigError, ContractError
 
 Record = dict[str, Any]
@@ -157,7 +157,7 @@ class DatasetEnv:
     def item(self, index: int) -> Item:
         return Item(index=index, fields=dict(self.records[index]))
 
-    def prompt(self, item: Item) -> str | list[Message]:
+    def prompt(self, item: Item) -> str | list[MessageDict]:
         """The prompt text (completion mode) or messages (chat mode) of an item."""
         template = self.style.template or "{" + self.format.question_field + "}"
         try:
@@ -166,7 +166,7 @@ class DatasetEnv:
             raise ConfigError(f"prompt template names a missing field {exc}") from exc
         if self.style.mode == "completion":
             return text
-        messages: list[Message] = []
+        messages: list[MessageDict] = []
         if self.style.system_prompt is not None:
             messages.append({"role": "system", "content": self.style.system_prompt})
         return [*messages, {"role": "user", "content": text}]

@@ -59,7 +59,7 @@ from producers.envs.observations import (
     as_messages,
     observation_text,
 )
-from producers.inference import InferencePool, Message, PromptTooLongError, SamplingParams
+from producers.inference import InferencePool, MessageDict, PromptTooLongError, SamplingParams
 from schemas import Completion, ConfigError, ContractError
 
 StepResult = tuple[Observation, float, bool, bool, dict[str, Any]]
@@ -133,7 +133,7 @@ class EpisodeRunner:
         if self.max_turns < 1:
             raise ConfigError(f"max_turns must be at least 1 (got {self.max_turns})")
 
-    def prompt_messages(self, observation: Observation) -> list[Message]:
+    def prompt_messages(self, observation: Observation) -> list[MessageDict]:
         """The chat prompt of an episode starting with ``observation``."""
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, *as_messages(observation)]
@@ -154,7 +154,7 @@ class EpisodeRunner:
         mask: list[int] = []
         versions: list[int] = []
         rewards: list[float] = []
-        messages: list[Message] = []
+        messages: list[MessageDict] = []
         texts: list[str] = []
         finish_reason, stop, turns = "", "max_turns", 0
         info: dict[str, Any] = {}

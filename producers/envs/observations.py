@@ -34,18 +34,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producers.inference import InferencePool, Message
+from producers.inference import InferencePool, MessageDict
 from producers.inference.turns import close_turn  # shared with the capture layer
 from schemas import ConfigError
 
-Observation = str | list[Message]
+Observation = str | list[MessageDict]
 """An env observation: text (sent as a user message) or chat messages (e.g. a tool turn)."""
 
-BASE_CONVERSATION: list[Message] = [{"role": "user", "content": "."},
+BASE_CONVERSATION: list[MessageDict] = [{"role": "user", "content": "."},
                                     {"role": "assistant", "content": "."}]
 
 
-def as_messages(observation: Observation) -> list[Message]:
+def as_messages(observation: Observation) -> list[MessageDict]:
     """Chat messages of an observation; text becomes one user message."""
     if isinstance(observation, str):
         return [{"role": "user", "content": observation}]
@@ -73,7 +73,7 @@ class ObservationEncoder(Protocol):
 class ChatTemplateDelta:
     """Observation tokens as the chat-template delta against a fixed base (module docs)."""
 
-    base: list[Message] = field(default_factory=lambda: list(BASE_CONVERSATION))
+    base: list[MessageDict] = field(default_factory=lambda: list(BASE_CONVERSATION))
     _probe: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False)
     _lock: asyncio.Lock | None = field(default=None, init=False, repr=False)
 

@@ -13,22 +13,22 @@ from producers.inference.errors import (
     PromptTooLongError,
     ServerUnreachable,
 )
-from producers.inference.params import Backoff, ModelInfo, Sample, SamplingParams
+from producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
 from producers.inference.pool import InferencePool
-from producers.inference.server import InferenceServer, Message
+from producers.inference.server import InferenceServer, MessageDict
 
 __all__ = [
     "Backoff",
+    "Choice",
     "GenerationAborted",
     "InferencePool",
     "InferenceRequestError",
     "InferenceResponseError",
     "InferenceServer",
-    "Message",
+    "MessageDict",
     "ModelInfo",
     "PauseTimeout",
     "PromptTooLongError",
-    "Sample",
     "SamplingParams",
     "ServerUnreachable",
 ]

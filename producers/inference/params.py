@@ -56,7 +56,7 @@ class SamplingParams(BaseModel):
 
 
 @dataclass(frozen=True)
-class Sample:
+class Choice:
     """One choice of a generation response, exactly as the server returned it."""
 
     prompt_ids: list[int]

@@ -1,4 +1,4 @@
-"""Parse vLLM's OpenAI-compatible response bodies into ``Sample`` values.
+"""Parse vLLM's OpenAI-compatible response bodies into ``Choice`` values.
 
 Shapes are those of vLLM 0.32 (see ``tests/fixtures/vllm``):
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from producers.inference.errors import InferenceResponseError
-from producers.inference.params import Sample
+from producers.inference.params import Choice
 
 _TOKEN_ID_PREFIX = "token_id:"
 
 
-def parse_completions(body: Any) -> list[Sample]:
+def parse_completions(body: Any) -> list[Choice]:
     """Samples of a ``/v1/completions`` response, in choice-index order."""
     samples = []
     for choice in _choices(body):
@@ -39,7 +39,7 @@ def parse_completions(body: Any) -> list[Sample]:
             if [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens] != token_ids:
                 raise InferenceResponseError("logprobs.tokens disagree with token_ids")
         prompt_ids = choice.get("prompt_token_ids")
-        samples.append(Sample(
+        samples.append(Choice(
             prompt_ids=_ints(prompt_ids, "prompt_token_ids"),
             completion_ids=token_ids,
             logprobs=logprobs,
@@ -50,7 +50,7 @@ def parse_completions(body: Any) -> list[Sample]:
     return samples
 
 
-def parse_chat(body: Any) -> list[Sample]:
+def parse_chat(body: Any) -> list[Choice]:
     """Samples of a ``/v1/chat/completions`` response, in choice-index order."""
     prompt_ids = _ints(body.get("prompt_token_ids"), "prompt_token_ids")
     samples = []
@@ -63,7 +63,7 @@ def parse_chat(body: Any) -> list[Sample]:
         logprobs = _floats([entry.get("logprob") for entry in content], len(token_ids))
         message = choice.get("message") or {}
         reasoning = message.get("reasoning") or message.get("reasoning_content")
-        samples.append(Sample(
+        samples.append(Choice(
             prompt_ids=prompt_ids,
             completion_ids=token_ids,
             logprobs=logprobs,

@@ -42,8 +42,8 @@ from producers.inference.errors import (
     PauseTimeout,
     ServerUnreachable,
 )
-from producers.inference.params import Backoff, ModelInfo, Sample, SamplingParams
-from producers.inference.server import InferenceServer, Message
+from producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
+from producers.inference.server import InferenceServer, MessageDict
 from schemas import ConfigError, InferenceUnavailable
 
 log = structlog.get_logger("rollq.inference")
@@ -152,7 +152,7 @@ class InferencePool:
     # --- the API -------------------------------------------------------------------------
 
     async def complete(self, prompt: str | Sequence[int], n: int = 1,
-                       params: SamplingParams | None = None) -> list[Sample]:
+                       params: SamplingParams | None = None) -> list[Choice]:
         """Generate ``n`` choices for one prompt (text, or token ids used verbatim) through
         ``/v1/completions``; returns prompt ids, completion ids, sampler logprobs, finish
         reason and text per choice."""
@@ -160,15 +160,15 @@ class InferencePool:
         sampling = params or SamplingParams()
         return await self._call("complete", lambda s: s.complete(prompt, n, sampling, model=model))
 
-    async def chat(self, messages: Sequence[Message], n: int = 1,
-                   params: SamplingParams | None = None) -> list[Sample]:
+    async def chat(self, messages: Sequence[MessageDict], n: int = 1,
+                   params: SamplingParams | None = None) -> list[Choice]:
         """Generate ``n`` replies to a conversation through ``/v1/chat/completions`` (the
         server's chat template and reasoning parser apply)."""
         model = await self._model_name()
         sampling = params or SamplingParams()
         return await self._call("chat", lambda s: s.chat(messages, n, sampling, model=model))
 
-    async def tokenize(self, *, messages: Sequence[Message] | None = None,
+    async def tokenize(self, *, messages: Sequence[MessageDict] | None = None,
                        prompt: str | None = None, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        add_special_tokens: bool | None = None) -> list[int]:

@@ -21,12 +21,12 @@ from producers.inference.errors import (
     PromptTooLongError,
     ServerUnreachable,
 )
-from producers.inference.params import Sample, SamplingParams
+from producers.inference.params import Choice, SamplingParams
 from producers.inference.parse import error_detail, parse_chat, parse_completions, parse_tokens
 from schemas import InferenceUnavailable
 from schemas.stats import Histogram
 
-Message = dict[str, Any]
+MessageDict = dict[str, Any]
 
 _RETRYABLE_4XX = frozenset({408, 409, 425, 429})
 
@@ -56,12 +56,12 @@ class InferenceServer:
 
     def record(self, seconds: float, reply: Any) -> None:
         """Count a successful generation: its latency and the tokens it generated (a list
-        of ``Sample``, or an OpenAI body: ``usage.completion_tokens``, else its choices'
+        of ``Choice``, or an OpenAI body: ``usage.completion_tokens``, else its choices'
         ``token_ids``)."""
         self.latency.observe(seconds)
         if isinstance(reply, list):
             self.completion_tokens += sum(len(sample.completion_ids) for sample in reply
-                                          if isinstance(sample, Sample))
+                                          if isinstance(sample, Choice))
         elif isinstance(reply, dict):
             usage = reply.get("usage")
             tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
@@ -75,7 +75,7 @@ class InferenceServer:
                 f"healthy={self.healthy}, paused={self.paused})")
 
     async def complete(self, prompt: str | Sequence[int], n: int, params: SamplingParams, *,
-                       model: str) -> list[Sample]:
+                       model: str) -> list[Choice]:
         """``/v1/completions`` with n choices; the prompt is text or token ids."""
         body = {
             **params.body(),
@@ -90,8 +90,8 @@ class InferenceServer:
         self._check_not_aborted(samples)
         return samples
 
-    async def chat(self, messages: Sequence[Message], n: int, params: SamplingParams, *,
-                   model: str) -> list[Sample]:
+    async def chat(self, messages: Sequence[MessageDict], n: int, params: SamplingParams, *,
+                   model: str) -> list[Choice]:
         """``/v1/chat/completions`` with n choices; the server applies its chat template."""
         body = {
             **params.body(),
@@ -106,7 +106,7 @@ class InferenceServer:
         self._check_not_aborted(samples)
         return samples
 
-    async def tokenize(self, *, model: str, messages: Sequence[Message] | None = None,
+    async def tokenize(self, *, model: str, messages: Sequence[MessageDict] | None = None,
                        prompt: str | None = None, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        add_special_tokens: bool | None = None) -> list[int]:
@@ -160,7 +160,7 @@ class InferenceServer:
         return bool(body.get("is_paused")) if isinstance(body, dict) else False
 
     @staticmethod
-    def _check_not_aborted(samples: list[Sample]) -> None:
+    def _check_not_aborted(samples: list[Choice]) -> None:
         # One aborted choice spoils the group: its tokens stop mid-way under an old policy.
         aborted = sum(sample.finish_reason == "abort" for sample in samples)
         if aborted:

@@ -18,8 +18,8 @@ from consumers.scorer import (
     RewardBridge,
     RewardComponent,
     RewardConfig,
-    RewardError,
     Sample,
+    ScoringError,
 )
 from tests.scorer.helpers import make_sample
 
@@ -130,7 +130,7 @@ async def test_component_that_raises(on_error: str) -> None:
     group = [make_sample("x boom"), make_sample("fine")]
     async with RewardBridge(cfg) as bridge:
         if on_error == "dead_letter":
-            with pytest.raises(RewardError, match="boom") as caught:
+            with pytest.raises(ScoringError, match="boom") as caught:
                 await bridge.score_group(group)
             assert (caught.value.reason, caught.value.component) == ("error", "boom")
             assert "2 tries" in str(caught.value)  # retried once in-process by default
@@ -189,7 +189,7 @@ async def test_slow_reward_within_timeout_and_dead_letter_on_timeout() -> None:
     async with RewardBridge(cfg) as bridge:
         ok = await bridge.score_group([make_sample("ab"), make_sample("abc")])
         assert ok.components["nap"] == [2.0, 3.0]
-        with pytest.raises(RewardError) as caught:
+        with pytest.raises(ScoringError) as caught:
             await bridge.score_group([make_sample("nap"), make_sample("abc")])
         assert (caught.value.reason, caught.value.component) == ("timeout", "nap")
 

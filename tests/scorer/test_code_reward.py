@@ -1,7 +1,7 @@
 """The `code` reward: a candidate's program against test cases, in a sandbox.
 
 Whatever the candidate does is a score (0, partial or 1), never an error; a failure of
-the sandbox itself is `RewardError("sandbox_error")`; bad settings are `ConfigError`.
+the sandbox itself is `ScoringError("sandbox_error")`; bad settings are `RewardConfigError`.
 After every test no process of the sandbox uid is left and this process has no child.
 The fork bomb runs last and only after a harmless probe showed the process limit holds.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from consumers.scorer import RewardBridge, RewardConfig, RewardError
+from consumers.scorer import RewardBridge, RewardConfig, ScoringError
 from consumers.scorer.components.code import (
     CodeExecution,
     CodeSettings,
@@ -33,7 +33,7 @@ from consumers.scorer.components.code import (
     parse_tests,
     same_output,
 )
-from consumers.scorer.errors import ConfigError, MissingFieldError
+from consumers.scorer.errors import MissingFieldError, RewardConfigError
 from consumers.scorer.sandbox import Sandbox, SandboxLimits, sandbox_processes
 from schemas.failures import REWARD_ERROR, classify
 from tests.scorer.helpers import make_sample
@@ -243,7 +243,7 @@ def test_both_formats_mix_and_dataset_shapes_parse() -> None:
     [{"assert": 3}], {"inputs": ["1"], "outputs": []}, 42,
 ])
 def test_malformed_cases_are_a_reward_error(bad: Any) -> None:
-    with pytest.raises(RewardError) as caught:
+    with pytest.raises(ScoringError) as caught:
         parse_tests(bad)
     assert caught.value.reason == "bad_tests"
 
@@ -388,18 +388,18 @@ def test_processes_left_behind_are_killed_with_the_run() -> None:
 
 def test_a_sandbox_failure_is_a_reward_error_not_a_score(tmp_path: Path) -> None:
     missing = code(interpreter="/nonexistent/python3")
-    with pytest.raises(RewardError) as caught:
+    with pytest.raises(ScoringError) as caught:
         missing.score(make_sample(fenced(ADDER), metadata={"tests": ADD}), [])
     assert caught.value.reason == "sandbox_error"
     gone = code(work_root=str(tmp_path / "removed"))
-    with pytest.raises(RewardError) as caught:
+    with pytest.raises(ScoringError) as caught:
         gone.score(make_sample(fenced(ADDER), metadata={"tests": ADD}), [])
     assert caught.value.reason == "sandbox_error"
     assert classify(caught.value).reason == REWARD_ERROR
 
 
 async def test_a_sandbox_that_cannot_start_refuses_to_open(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(RewardConfigError, match="not found"):
         await code(interpreter="/nonexistent/python3").open()
     # No CAP_SYS_ADMIN: no namespace can be created.
     wrapper = tmp_path / "python-without-cap-sys-admin"
@@ -408,7 +408,7 @@ async def test_a_sandbox_that_cannot_start_refuses_to_open(tmp_path: Path) -> No
     wrapper.chmod(0o755)
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv (util-linux) is not installed")
-    with pytest.raises(ConfigError, match="namespace"):
+    with pytest.raises(RewardConfigError, match="namespace"):
         await code(interpreter=str(wrapper)).open()
     await code().open()  # the real thing opens
 
@@ -421,7 +421,7 @@ async def test_a_sandbox_that_cannot_start_refuses_to_open(tmp_path: Path) -> No
     ({"timeout": 3}, "timeout"),
 ])
 def test_bad_settings_are_config_errors(settings: dict[str, Any], field: str) -> None:
-    with pytest.raises(ConfigError, match=rf"component 'code': settings\.{field}"):
+    with pytest.raises(RewardConfigError, match=rf"component 'code': settings\.{field}"):
         RewardConfig.from_mapping({"components": [
             {"name": "code", "component": "code", "settings": settings}]})
 
@@ -453,7 +453,7 @@ async def test_the_bridge_scores_code_in_a_one_process_pool(tmp_path: Path) -> N
         with pytest.raises(MissingFieldError):
             await bridge.score_group([bridge.make_sample(fenced(ADDER), [1])])
         shutil.rmtree(work_root)  # the sandbox breaks under the running scorer
-        with pytest.raises(RewardError) as caught:
+        with pytest.raises(ScoringError) as caught:
             await bridge.score_group(group[:1])
         assert caught.value.reason == "sandbox_error"
         assert caught.value.component == "code"
@@ -473,7 +473,7 @@ async def test_a_pool_worker_killed_mid_run_takes_its_sandbox_along() -> None:
                                      metadata={"tests": ADD[:1]})
         scoring = asyncio.ensure_future(bridge.score_group([sleeper]))
         assert await _eventually(lambda: bool(_processes_of(UID))), "the candidate never ran"
-        with pytest.raises(RewardError) as caught:
+        with pytest.raises(ScoringError) as caught:
             await scoring
         assert caught.value.reason == "timeout"
         assert await _eventually(lambda: not _processes_of(UID))

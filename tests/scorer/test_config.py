@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from consumers.scorer import ConfigError, RewardConfig
+from consumers.scorer import RewardConfig, RewardConfigError
 
 YAML = """\
 preset: r1
@@ -90,7 +90,7 @@ def test_roll_universal_preset() -> None:
      ["components.accuracy.on_error", "roll_universal"]),
 ])
 def test_config_errors_name_the_field(data: dict[str, Any], names: list[str]) -> None:
-    with pytest.raises(ConfigError) as caught:
+    with pytest.raises(RewardConfigError) as caught:
         RewardConfig.from_mapping(data)
     for name in names:
         assert name in str(caught.value)
@@ -100,14 +100,14 @@ def test_config_errors_name_the_field(data: dict[str, Any], names: list[str]) ->
 def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
     path = tmp_path / "reward.yaml"
     path.write_text("- just a list\n")
-    with pytest.raises(ConfigError, match="mapping"):
+    with pytest.raises(RewardConfigError, match="mapping"):
         RewardConfig.from_yaml(path)
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(RewardConfigError, match="cannot read"):
         RewardConfig.from_yaml(tmp_path / "missing.yaml")
 
 
 @pytest.mark.parametrize("component", ["format", "reasoning_steps", "char_fraction"])
 def test_a_regex_that_does_not_compile_is_a_config_error(component: str) -> None:
-    with pytest.raises(ConfigError, match=r"settings\.pattern: invalid regex '\('"):
+    with pytest.raises(RewardConfigError, match=r"settings\.pattern: invalid regex '\('"):
         RewardConfig.from_mapping(
             {"components": [{"name": "x", "component": component, "settings": {"pattern": "("}}]})

@@ -38,7 +38,8 @@ def groups() -> list[list[Sample]]:
     gold = {"answer": "$\\frac{1}{2}$", "tests": [{"input": "", "output": "1/2"}]}
     first, second = ([make_sample(text, tokens=10 + 7 * i + offset, metadata=gold,
                                   completion_metadata={"step_labels": labels,
-                                                       "env_score": 0.25 * i})
+                                                       "env_score": 0.25 * i,
+                                                       "env_return": 1.5 - i})
                       for i, (text, labels) in enumerate(zip(TEXTS, LABELS, strict=True))]
                      for offset in (0, 40))
     second = [replace(sample, metadata=MappingProxyType(dict(sample.metadata)),

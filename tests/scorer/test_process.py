@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from consumers.scorer import RewardError, Sample
+from consumers.scorer import Sample, ScoringError
 from consumers.scorer.components import ProcessReward, ProcessSettings
 from tests.scorer.helpers import make_sample
 
@@ -126,7 +126,7 @@ async def test_prm_http_error_is_a_reward_error() -> None:
     await component.open(transport=prm_transport([], status=503))
     try:
         sample = make_sample(TEXT)
-        with pytest.raises(RewardError, match="503") as caught:
+        with pytest.raises(ScoringError, match="503") as caught:
             await component.evaluate_async(sample, [sample])
     finally:
         await component.close()

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from consumers.bus import ReaderSettings, StreamReader
-from consumers.scorer import RewardBridge, RewardConfig, RewardError
+from consumers.scorer import RewardBridge, RewardConfig, ScoringError
 from consumers.scorer.consumer import Scorer
 from consumers.stage import Stage
 from producers.publisher import Publisher
@@ -78,7 +78,7 @@ async def test_a_failed_call_is_retried_in_process_before_it_counts() -> None:
         result = await bridge.score_group([make_sample("a"), make_sample("bb")])
     assert result.components["flaky"] == [1.0, 1.0] and result.flags == ()
     async with RewardBridge(config({**flaky, "retries": 0})) as bridge:
-        with pytest.raises(RewardError, match="'flaky'") as caught:
+        with pytest.raises(ScoringError, match="'flaky'") as caught:
             await bridge.score_group([make_sample("a"), make_sample("bb")])
     assert caught.value.component == "flaky" and "1 tries" in str(caught.value)
     twice = {**flaky, "settings": {"failures": 2}, "retries": 2}
@@ -115,7 +115,7 @@ async def test_a_timeout_is_a_failure_like_an_exception() -> None:
     nap = {"name": "nap", "component": f"{CUSTOM}:Nap", "timeout_s": 0.3,
            "settings": {"seconds": 30}}
     async with RewardBridge(config(nap, pool={"workers": 1})) as bridge:
-        with pytest.raises(RewardError) as caught:
+        with pytest.raises(ScoringError) as caught:
             await bridge.score_group([make_sample("nap"), make_sample("abc")])
         assert (caught.value.reason, caught.value.component) == ("timeout", "nap")
         assert "2 tries" in str(caught.value)
@@ -148,7 +148,7 @@ async def test_a_killed_pool_process_is_replaced_and_its_call_is_a_failure(
             result = await call
             assert result.components["nap"] == [3.0, 2.0] and result.flags == ()
         else:  # not a 0: the reward is unknown, the group fails
-            with pytest.raises(RewardError) as caught:
+            with pytest.raises(ScoringError) as caught:
                 await call
             assert (caught.value.reason, caught.value.component) == ("worker_died", "nap")
         assert bridge._pool is not None and bridge._pool.replaced == 1

@@ -4,7 +4,7 @@ Each test case runs in its own `Sandbox` (consumers.scorer.sandbox): a fresh pro
 new namespaces, as an unprivileged uid, with wall, CPU, memory, process, file-size and
 output limits, no network and a throwaway working directory. Whatever the candidate does
 is a verdict on that case (it passes or it does not); only a failure of the sandbox
-itself raises (`RewardError("sandbox_error")`: the reward is unknown, never 0).
+itself raises (`ScoringError("sandbox_error")`: the reward is unknown, never 0).
 
 Test cases come from the group's metadata (`tests_field`), in one of these shapes:
 
@@ -38,7 +38,7 @@ import httpx
 from pydantic import Field, field_validator
 
 from consumers.scorer.components.base import ComponentSettings, Placement, RewardComponent
-from consumers.scorer.errors import RewardError
+from consumers.scorer.errors import ScoringError
 from consumers.scorer.sample import Sample
 from consumers.scorer.sandbox import Sandbox, SandboxLimits
 
@@ -53,7 +53,7 @@ class CodeSettings(ComponentSettings):
 
     - `tests_field`: the metadata field (per completion first, then per group) holding the
       test cases (shapes in the module docstring). A group without it is not scored
-      (`MissingFieldError`); malformed cases raise `RewardError("bad_tests")`; an empty
+      (`MissingFieldError`); malformed cases raise `ScoringError("bad_tests")`; an empty
       list gives None (skipped: there is nothing to score against).
     - `region`: `answer` (the text after the reasoning trace; empty when the trace is
       unclosed) or `anywhere` (the whole completion).
@@ -89,7 +89,7 @@ class CodeSettings(ComponentSettings):
       workers. They must not be used by anything else.
     - `allow_network`: False (default): a new network namespace per case, so the
       candidate cannot connect anywhere (127.0.0.1 included); when the namespace cannot
-      be created the component refuses to start (`ConfigError`). True: the candidate has
+      be created the component refuses to start (`RewardConfigError`). True: the candidate has
       the scorer's network — for trusted code only.
     - `hidden_paths`: world-writable directories covered by an empty read-only tmpfs in
       the sandbox (absolute paths).
@@ -190,24 +190,24 @@ def extract_code(text: str, extraction: Extraction) -> str | None:
 
 def parse_tests(raw: Any) -> list[TestCase]:
     """The test cases in `raw` (shapes in the module docstring); raises
-    `RewardError("bad_tests")` naming what is wrong."""
+    `ScoringError("bad_tests")` naming what is wrong."""
     if isinstance(raw, str | bytes):
         try:
             raw = json.loads(raw)
         except ValueError as exc:
-            raise RewardError("bad_tests", f"test cases are not valid JSON: {exc}") from None
+            raise ScoringError("bad_tests", f"test cases are not valid JSON: {exc}") from None
     if isinstance(raw, dict) and "fn_name" in raw:
-        raise RewardError("bad_tests", "call-based cases (fn_name) are not supported; "
+        raise ScoringError("bad_tests", "call-based cases (fn_name) are not supported; "
                           "write them as {'assert': ...} cases")
     if isinstance(raw, dict) and set(raw) == {"inputs", "outputs"}:
         inputs, outputs = raw["inputs"], raw["outputs"]
         if not (isinstance(inputs, list) and isinstance(outputs, list)
                 and len(inputs) == len(outputs)):
-            raise RewardError("bad_tests", "'inputs' and 'outputs' must be lists of one length")
+            raise ScoringError("bad_tests", "'inputs' and 'outputs' must be lists of one length")
         raw = [{"input": given, "output": expected}
                for given, expected in zip(inputs, outputs, strict=True)]
     if not isinstance(raw, list):
-        raise RewardError("bad_tests", f"test cases must be a list, not {type(raw).__name__}")
+        raise ScoringError("bad_tests", f"test cases must be a list, not {type(raw).__name__}")
     return [_parse_case(index, case) for index, case in enumerate(raw)]
 
 
@@ -217,7 +217,7 @@ def _parse_case(index: int, case: Any) -> TestCase:
     if (isinstance(case, dict) and set(case) == {"input", "output"}
             and all(isinstance(value, str) for value in case.values())):
         return StdioCase(case["input"], case["output"])
-    raise RewardError("bad_tests", f"test case {index} is neither {{'input': str, 'output': "
+    raise ScoringError("bad_tests", f"test case {index} is neither {{'input': str, 'output': "
                       f"str}} nor {{'assert': str}}: {str(case)[:200]}")
 
 
@@ -265,7 +265,7 @@ class CodeExecution(RewardComponent[CodeSettings]):
         return (self.settings.tests_field,)
 
     async def open(self, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        """Refuse to start (`ConfigError`) when the sandbox cannot run here."""
+        """Refuse to start (`RewardConfigError`) when the sandbox cannot run here."""
         self.sandbox.check()
 
     def score(self, sample: Sample, group: Sequence[Sample]) -> float | None:
@@ -285,7 +285,7 @@ class CodeExecution(RewardComponent[CodeSettings]):
         return passed / len(cases)
 
     def passes(self, code: str, case: TestCase) -> bool:
-        """Whether `code` passes `case` (raises `RewardError` only when the sandbox fails)."""
+        """Whether `code` passes `case` (raises `ScoringError` only when the sandbox fails)."""
         if isinstance(case, StdioCase):
             result = self.sandbox.run({"main.py": code}, stdin=case.input)
             return result.succeeded and same_output(

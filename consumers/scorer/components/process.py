@@ -27,7 +27,7 @@ from consumers.scorer.components.base import (
     RewardComponent,
     Score,
 )
-from consumers.scorer.errors import RewardError
+from consumers.scorer.errors import ScoringError
 from consumers.scorer.sample import Sample
 
 _BLANK_LINES = re.compile(r"\n[ \t]*\n\s*")
@@ -223,9 +223,9 @@ class ProcessReward(RewardComponent[ProcessSettings]):
             response.raise_for_status()
             body: Any = response.json()
         except (httpx.HTTPError, ValueError) as exc:
-            raise RewardError("prm_error", f"process reward model: {exc!r}") from exc
+            raise ScoringError("prm_error", f"process reward model: {exc!r}") from exc
         scores = body.get("scores") if isinstance(body, dict) else None
         if not isinstance(scores, list) or len(scores) != len(steps):
-            raise RewardError("prm_error", f"process reward model answered {body!r} "
+            raise ScoringError("prm_error", f"process reward model answered {body!r} "
                               f"for {len(steps)} steps")
         return [float(score) for score in scores]

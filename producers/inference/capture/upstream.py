@@ -1,6 +1,6 @@
 """Raw OpenAI-compatible requests through an ``InferencePool``, for the capture layer.
 
-The pool's own ``chat``/``complete`` return ``Sample`` values; capture needs the whole
+The pool's own ``chat``/``complete`` return ``Choice`` values; capture needs the whole
 reply (tool calls, usage, the message as the server built it) to hand it back to an agent,
 and ``/tokenize`` with ``tools``. ``Upstream.post`` sends one JSON body through the pool's
 balancing, retries and pause handling (an aborted generation is resent after the pause,
