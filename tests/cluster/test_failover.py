@@ -9,11 +9,13 @@ master had not yet replicated, and never with ``wait_replicas``) be reported los
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
 from redis.cluster import key_slot
 
+from ops.cli import Exit, main
 from ops.local_cluster import LocalCluster
 from schemas.keys import stream_key
 from tests.cluster.pipeline import dead_group_ids, run_pipeline
@@ -31,7 +33,7 @@ def _slot(run: str, partition: int) -> int:
 @pytest.mark.parametrize("wait_replicas", [0, 1], ids=["async-replication", "wait"])
 async def test_a_master_killed_mid_run_loses_nothing_silently(
         fresh_redis_cluster: LocalCluster, redis_server: RedisServer, tmp_path: Path,
-        wait_replicas: int) -> None:
+        wait_replicas: int, capsys: pytest.CaptureFixture[str]) -> None:
     cluster = fresh_redis_cluster
     run = f"failover-{wait_replicas}"
     victim_slot = _slot(run, 0)
@@ -64,6 +66,13 @@ async def test_a_master_killed_mid_run_loses_nothing_silently(
     assert len(missing) == status.accounting.unaccounted, (missing, status.as_dict())
     if wait_replicas:
         assert not missing
+    # the same books through the CLI, on the cluster and the control plane
+    code = await asyncio.to_thread(main, ["status", "--redis-url", cluster.url, "--run", run,
+                                          "--json"], {"ROLLQ_QUEUE_URL": redis_server.url})
+    assert code == Exit.OK
+    shown = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert shown["admitted"] == ITEMS
+    assert shown["accounting"]["unaccounted"] == status.accounting.unaccounted
     print(f"outages ridden out by role: {outcome.outages}; trained {len(outcome.trained)}, "
           f"dead {len(dead)}, reported lost {status.accounting.unaccounted}")
     assert status.counters.get("consumed", 0) + sum(status.drops.values()) >= (
