@@ -24,7 +24,6 @@ from structlog.testing import capture_logs
 from bench.workers import REPO_ROOT, FakeServerProcess
 from consumers.trainer import TrainerClient, TrainerClientSettings
 from ops.atropos.app import create_app as create_atropos_app
-from ops.atropos.settings import AtroposApiSettings
 from ops.cli import main
 from ops.gateway.app import create_app as create_gateway_app
 from ops.gateway.settings import GatewaySettings
@@ -32,7 +31,7 @@ from ops.health import parse_health
 from ops.metrics import RoleMetrics
 from ops.role_metrics import serve_trainer_metrics
 from ops.roles import run_scorer
-from ops.settings import ScorerSettings
+from ops.settings import AtroposApiSettings, ScorerSettings
 from ops.stack import free_port
 from producers.publisher import Publisher
 from schemas import decode_trajectory

@@ -47,9 +47,9 @@ from ops.atropos.models import (
     Status,
 )
 from ops.atropos.pieces import compress, gzip_chunks, raw_chunks, raw_length
-from ops.atropos.settings import AtroposApiSettings
 from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
 from ops.role_metrics import add_metrics_route
+from ops.settings import AtroposApiSettings
 from schemas import ContractError, TransientError
 from schemas.failures import classify
 

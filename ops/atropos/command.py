@@ -29,7 +29,7 @@ async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> i
     import uvicorn
 
     from ops.atropos.app import create_app
-    from ops.atropos.settings import AtroposApiSettings
+    from ops.settings import AtroposApiSettings
 
     settings: AtroposApiSettings = settings_for(
         AtroposApiSettings, args, environ, host=args.host, port=args.port,

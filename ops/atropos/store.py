@@ -48,7 +48,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
@@ -66,6 +66,7 @@ from ops.atropos.batching import Queued, env_status, groups_summing_to, select_b
 from ops.atropos.convert import InvalidGroup, to_atropos, to_scored, to_trajectory
 from ops.atropos.models import ScoredData
 from ops.atropos.pieces import compress, inflate
+from ops.settings import RewardSource
 from producers.publisher import Publisher
 from schemas import (
     BrokerUnavailable,
@@ -91,7 +92,6 @@ from schemas.keys import (
 
 log = structlog.get_logger("rollq.atropos")
 
-RewardSource = Literal["env", "bridge"]
 QUEUE_CONSUMER = "queue"
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end

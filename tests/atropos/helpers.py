@@ -17,7 +17,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from ops.atropos.app import create_app
-from ops.atropos.settings import AtroposApiSettings
+from ops.settings import AtroposApiSettings
 from tests.redis_server import free_port
 
 REGISTRATION = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4,

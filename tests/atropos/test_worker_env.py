@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from ops.atropos.app import create_app
-from ops.atropos.settings import AtroposApiSettings
+from ops.settings import AtroposApiSettings
 from producers.drawn import ItemLedger
 from producers.envs.base import Item, Rollout
 from producers.inference import InferencePool, SamplingParams
