@@ -38,7 +38,8 @@ from types import ModuleType
 from typing import Any
 
 from bench.common import BenchRedis, median_of, print_table
-from ops.demo import EXAMPLE_TRAINER, SUMS_REWARD, DemoOptions, learning_curves, run_demo
+from ops.demo import EXAMPLE_TRAINER, DemoOptions, run_demo
+from ops.demo_sums import SUMS_REWARD, learning_curves
 from ops.stack import VllmProcess
 from producers.envs.sums import CHANCE
 

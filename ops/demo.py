@@ -23,14 +23,13 @@ evaluated accuracies, and ``summary.json`` holds the curves.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -38,13 +37,19 @@ from typing import Any, Literal, TextIO
 import httpx
 import redis
 
+from ops.demo_sums import (
+    SUMS_REWARD,
+    SumsEvaluation,
+    learning_curves,
+    plot_learning,
+    sums_evaluation,
+)
 from ops.stack import RedisProcess, VllmProcess
 from schemas import ConfigError
 from schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_key, stream_key
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
-SUMS_REWARD = EXAMPLES / "rewards" / "sums.yaml"
 Task = Literal["digits", "sums"]
 
 DEMO_REWARD = """\
@@ -226,7 +231,8 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
                               "pick another --run or an empty Redis")
         env = {**os.environ, "ROLLQ_REDIS_URL": redis_url, "ROLLQ_RUN": options.run,
                "ROLLQ_LOG_FORMAT": "json"}
-        with _sums_evaluation(options, inference, out, say) as evaluation:
+        with sums_evaluation(options.task, inference, out, say, every=options.eval_every,
+                             max_tokens=options.max_tokens) as evaluation:
             start_roles(processes, options, inference, env)
             metrics = out / "metrics.jsonl"
             trainer = trainer_argv(options, model, inference, out / "trainer", metrics)
@@ -280,63 +286,6 @@ def _write_model(options: DemoOptions, out: Path,
         report = warm_start(tiny, warmed, warm_options)
     say(describe(report))
     return warmed, asdict(report)
-
-
-class SumsEvaluation:
-    """The demo's evaluations of the served policy on the sums problems (``ops.evaluate``)."""
-
-    def __init__(self, evaluator: Any, problems: dict[str, Any], every: int,
-                 path: Path, say: Callable[[str], None]) -> None:
-        self.evaluator, self.problems, self.every = evaluator, problems, every
-        self.path, self.say = path, say
-        self.rows: list[dict[str, Any]] = []
-
-    def run(self, step: int) -> None:
-        """Evaluate now and record it as ``step``, the policy version in force (a reload
-        may land during the evaluation, so some answers may come from ``step + 1``)."""
-        started = time.time()
-        row: dict[str, Any] = {"step": step, "time": started}
-        for split, problems in self.problems.items():
-            for name, value in self.evaluator.evaluate(problems).items():
-                row[f"{split}_{name}"] = value
-        row["eval_s"] = round(time.time() - started, 3)
-        self.rows.append(row)
-        with self.path.open("a") as log:
-            log.write(json.dumps(row) + "\n")
-        self.say(f"eval at step {step:>4}: train accuracy {row['train_accuracy']:.3f}  "
-                 f"held-out {row['heldout_accuracy']:.3f}  format {row['train_format']:.3f}")
-
-    def due(self, step: int) -> bool:
-        last = self.rows[-1]["step"] if self.rows else -1
-        return step // self.every > last // self.every
-
-    def final(self, version: int | None) -> None:
-        if version is not None and (not self.rows or self.rows[-1]["step"] < version):
-            self.run(version)
-
-
-@contextlib.contextmanager
-def _sums_evaluation(options: DemoOptions, inference: str, out: Path,
-                     say: Callable[[str], None]) -> Iterator[SumsEvaluation | None]:
-    if options.task != "sums":
-        yield None
-        return
-    from consumers.scorer import RewardConfig
-    from ops.evaluate import Evaluator
-    from producers.envs.sums import sums_env
-
-    config = RewardConfig.from_yaml(SUMS_REWARD)
-    with Evaluator(inference, _served_model(inference), config,
-                   max_tokens=options.max_tokens) as evaluator:
-        problems = {split: evaluator.problems(sums_env(split=split))
-                    for split in ("train", "heldout")}
-        yield SumsEvaluation(evaluator, problems, options.eval_every, out / "evals.jsonl", say)
-
-
-def _served_model(url: str) -> str:
-    response = httpx.get(f"{url}/v1/models", timeout=30)
-    response.raise_for_status()
-    return str(response.json()["data"][0]["id"])
 
 
 def start_roles(processes: Processes, options: DemoOptions, inference: str,
@@ -414,86 +363,6 @@ def _policy_version(client: redis.Redis, run: str) -> int | None:
 def _drops(client: redis.Redis, run: str) -> dict[str, int]:
     counters: dict[bytes, bytes] = client.hgetall(counters_key(run, 0))  # type: ignore[assignment]
     return {k.decode()[5:]: int(v) for k, v in counters.items() if k.startswith(b"drop:")}
-
-
-def learning_curves(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``sums`` curves from the trainer's metrics rows and the evaluation rows.
-
-    Time is RL time: seconds since the first trainer step began (evaluations before it at 0).
-    ``format`` and ``batch_accuracy`` are per step, over the batch's sampled completions;
-    ``train_accuracy`` and ``heldout_accuracy`` are greedy, per evaluation.
-    """
-    if not steps:
-        return {}
-    began = steps[0]["time"] - steps[0]["seconds"]
-
-    def component(row: dict[str, Any], name: str) -> float | None:
-        value = row.get("components", {}).get(name)
-        return None if value is None else round(float(value), 4)
-
-    formats = [component(r, "format") for r in steps]
-    curves: dict[str, Any] = {
-        "steps": {"step": [r["step"] for r in steps],
-                  "seconds": [round(r["time"] - began, 2) for r in steps],
-                  "format": formats,
-                  "batch_accuracy": [component(r, "accuracy") for r in steps],
-                  "kl": [r.get("kl") for r in steps]},
-        "evals": {"step": [e["step"] for e in evals],
-                  "seconds": [round(max(0.0, e["time"] - began), 2) for e in evals],
-                  "train_accuracy": [e["train_accuracy"] for e in evals],
-                  "heldout_accuracy": [e["heldout_accuracy"] for e in evals],
-                  "train_format": [e["train_format"] for e in evals]},
-        "steps_per_s": round(len(steps) / max(1e-9, steps[-1]["time"] - began), 4),
-        "format_min": min((f for f in formats if f is not None), default=None),
-        "format_min_10": _rolling_min(formats, 10),
-        "train_accuracy_first": evals[0]["train_accuracy"] if evals else None,
-        "heldout_accuracy_first": evals[0]["heldout_accuracy"] if evals else None,
-        "train_accuracy_final": evals[-1]["train_accuracy"] if evals else None,
-        "heldout_accuracy_final": evals[-1]["heldout_accuracy"] if evals else None,
-    }
-    reached = [e for e in evals if e["train_accuracy"] >= 0.9]
-    curves["seconds_to_train_accuracy_0_9"] = (
-        round(max(0.0, reached[0]["time"] - began), 1) if reached else None)
-    return curves
-
-
-def _rolling_min(values: list[float | None], window: int) -> float | None:
-    """The lowest mean of ``window`` consecutive values (None values skipped)."""
-    present = [v for v in values if v is not None]
-    means = [sum(present[i:i + window]) / window for i in range(len(present) - window + 1)]
-    return round(min(means), 4) if means else None
-
-
-def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path,
-                  title: str) -> Path:
-    """Format reward and batch accuracy per step, evaluated accuracies, chance: one plot."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from producers.envs.sums import CHANCE
-
-    curves = learning_curves(steps, evals)
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    axis.plot(curves["steps"]["step"], curves["steps"]["format"], color="tab:gray",
-              linewidth=1, label="format reward (batch)")
-    axis.plot(curves["steps"]["step"], curves["steps"]["batch_accuracy"], color="tab:blue",
-              alpha=0.35, linewidth=1, label="accuracy, sampled (batch)")
-    axis.plot(curves["evals"]["step"], curves["evals"]["train_accuracy"], color="tab:blue",
-              marker="o", label="accuracy, 80 training problems (greedy)")
-    axis.plot(curves["evals"]["step"], curves["evals"]["heldout_accuracy"], color="tab:orange",
-              marker="s", label="accuracy, 20 held-out problems (greedy)")
-    axis.axhline(CHANCE, color="tab:red", linestyle=":", label="chance (1/19)")
-    axis.set_xlabel("trainer step")
-    axis.set_ylim(-0.02, 1.05)
-    axis.set_title(title)
-    axis.grid(alpha=0.3)
-    axis.legend(loc="center left", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
 
 
 def _write_summary(result: DemoResult, options: DemoOptions) -> None:

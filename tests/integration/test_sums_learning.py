@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from consumers.trainer.weights import PolicyPublisher
-from ops.demo import DemoOptions, learning_curves, run_demo
+from ops.demo import DemoOptions, run_demo
+from ops.demo_sums import learning_curves
 from ops.stack import VllmProcess
 from ops.warm_start import WarmStartOptions, warm_start
 from producers.envs.sums import CHANCE
