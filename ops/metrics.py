@@ -45,6 +45,7 @@ from schemas.keys import (
     counters_key,
     state_key,
     stream_key,
+    sum_counters,
 )
 from schemas.stats import Histogram
 
@@ -104,10 +105,8 @@ class RunCollector:
         run = self.run
         state = self.client.hgetall(state_key(run))
         partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
-        counters: dict[str, int] = {}
-        for p in range(partitions):
-            for name, value in self.client.hgetall(counters_key(run, p)).items():
-                counters[name.decode()] = counters.get(name.decode(), 0) + int(value)
+        counters = sum_counters(self.client.hgetall(counters_key(run, p))
+                                for p in range(partitions))
         admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
         totals = CounterMetricFamily("rollq_groups", "Groups by what happened to them "
                                      "(admitted, scored, consumed)", labels=["run", "stage"])

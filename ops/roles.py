@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from consumers.bus import ReaderSettings, StreamReader, trim_streams
+from consumers.bus import ReaderSettings, StreamReader, translated_errors, trim_streams
 from consumers.housekeeping import forget_idle_consumers, trim_dead
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
@@ -297,10 +297,8 @@ def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals) -> N
 
 
 async def _ping(redis: aioredis.Redis) -> None:
-    try:
+    async with translated_errors("connecting"):
         await redis.ping()
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-        raise BrokerUnavailable(f"redis unavailable: {exc}") from exc
 
 
 async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:

@@ -25,6 +25,7 @@ from schemas.keys import (
     counters_key,
     state_key,
     stream_key,
+    sum_counters,
 )
 
 
@@ -109,13 +110,12 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
     if not state:
         raise RunNotFound(run)
     partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
-    counters: dict[str, int] = {}
+    async with translated_errors("reading counters"):
+        counters = sum_counters([await redis.hgetall(counters_key(run, p))
+                                 for p in range(partitions)])
     streams: list[StreamStats] = []
     rewards: list[float] = []
     for p in range(partitions):
-        async with translated_errors("reading counters"):
-            for name, value in (await redis.hgetall(counters_key(run, p))).items():
-                counters[name.decode()] = counters.get(name.decode(), 0) + int(value)
         for name in STREAM_NAMES:
             stats = await stream_stats(redis, stream_key(run, p, name))
             if stats is not None:

@@ -45,6 +45,7 @@ import structlog
 
 from producers.admission import admit, outstanding
 from schemas import BrokerUnavailable
+from schemas.errors import translated_errors
 from schemas.keys import (
     ADMITTED_FIELD,
     PARTITIONS_FIELD,
@@ -52,6 +53,7 @@ from schemas.keys import (
     counters_key,
     run_key,
     state_key,
+    sum_counters,
 )
 from schemas.outage import OutageRider
 
@@ -129,10 +131,8 @@ class Feeder:
     async def read_state(self) -> FeedState:
         state = await self.redis.hgetall(self.key)
         partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
-        counters: dict[str, int] = {}
-        for p in range(partitions):
-            for name, value in (await self.redis.hgetall(counters_key(self.run, p))).items():
-                counters[name.decode()] = counters.get(name.decode(), 0) + int(value)
+        counters = sum_counters([await self.redis.hgetall(counters_key(self.run, p))
+                                 for p in range(partitions)])
         consumed, pending = outstanding(int(state.get(ADMITTED_FIELD.encode(), b"0")), counters)
         return FeedState(
             cursor=int(state.get(CURSOR_FIELD.encode(), b"0")),
@@ -174,11 +174,8 @@ class Feeder:
         return created
 
     async def finished(self) -> bool:
-        try:
+        async with translated_errors("reading the cursor"):
             cursor = await self.redis.hget(self.key, CURSOR_FIELD)
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while reading the cursor: {exc}") \
-                from exc
         return int(cursor or 0) >= self.plan.total
 
     async def run_until(self, stop: asyncio.Event, poll_s: float,

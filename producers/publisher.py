@@ -10,16 +10,15 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
-import redis.exceptions as redis_errors
 
 from schemas import (
-    BrokerUnavailable,
     ContractError,
     DeadLetter,
     TrajectoryGroup,
     encode,
     encode_dead,
 )
+from schemas.errors import translated_errors
 from schemas.failures import ENTRY_TOO_LARGE
 from schemas.keys import (
     DROP_PREFIX,
@@ -62,15 +61,13 @@ class Publisher:
     async def register(self) -> int:
         """Record the run and its partition count (first writer wins); returns the count in
         force, which is the one to publish with."""
-        try:
+        async with translated_errors("registering run"):
             pipe = self.redis.pipeline(transaction=False)
             pipe.sadd(RUNS_KEY, self.run)
             pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, str(self.partitions))
             pipe.hsetnx(state_key(self.run), "created_at", repr(time.time()))
             pipe.hget(state_key(self.run), PARTITIONS_FIELD)
             *_, stored = await pipe.execute()
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while registering run: {exc}") from exc
         self.partitions = int(stored)
         self._registered = True
         return self.partitions
@@ -90,10 +87,8 @@ class Publisher:
                     f"group {group.group_id}: its entry is {size:,} bytes ({group.num_tokens:,} "
                     f"tokens in {len(group.completions)} completions), above max_entry_bytes "
                     f"{self.max_entry_bytes:,}")
-        try:
+        async with translated_errors("publishing"):
             entry_id = await self.redis.xadd(key, fields)  # type: ignore[arg-type]
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while publishing: {exc}") from exc
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
     async def publish_failure(self, group_id: str, reason: str, detail: str,
@@ -107,11 +102,9 @@ class Publisher:
             reason=reason, detail=detail, source_stream=f"jobs:{self.run}", source_id=group_id,
             consumer_group="workers", dead_at=time.time(), payload=payload or {},
         )
-        try:
+        async with translated_errors("recording a failure"):
             pipe = self.redis.pipeline(transaction=True)
             pipe.xadd(stream_key(self.run, partition, "dead"), encode_dead(letter))  # type: ignore[arg-type]
             pipe.hincrby(counters_key(self.run, partition), DROP_PREFIX + reason, 1)
             entry_id, _ = await pipe.execute()
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while recording a failure: {exc}") from exc
         return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

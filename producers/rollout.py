@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-import redis.exceptions as redis_errors
 import structlog
 
 from producers.drawn import ItemLedger
 from producers.envs.base import DrawingEnv, Env, Item
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
-from schemas import BrokerUnavailable, TrajectoryGroup
+from schemas import TrajectoryGroup
+from schemas.errors import translated_errors
 from schemas.keys import POLICY_VERSION_FIELD, state_key
 
 log = structlog.get_logger("rollq.rollout")
@@ -33,11 +33,8 @@ class PolicyVersionSource:
         self.key = state_key(run)
 
     async def __call__(self) -> int:
-        try:
+        async with translated_errors("reading the policy version"):
             raw = await self.redis.hget(self.key, POLICY_VERSION_FIELD)
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while reading the policy version: "
-                                    f"{exc}") from exc
         return int(raw) if raw is not None else 0
 
 

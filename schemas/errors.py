@@ -14,10 +14,16 @@ the stream entry by the branch alone:
 - ``ConfigError``: a setting is wrong. Raised at start-up, before any entry is read; the CLI
   exits non-zero with the message.
 
-Foreign exceptions (redis, httpx, pydantic) are translated into these where they enter.
+Foreign exceptions (redis, httpx, pydantic) are translated into these where they enter;
+``translated_errors`` is the one translation of redis-py's connection failures.
 """
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis.exceptions as redis_errors
 
 
 class RollqError(Exception):
@@ -42,6 +48,16 @@ class TransientError(RollqError):
 
 class BrokerUnavailable(TransientError):
     """Redis could not be reached or answered with a connection-level error."""
+
+
+@asynccontextmanager
+async def translated_errors(action: str) -> AsyncIterator[None]:
+    """Turn redis-py connection failures into ``BrokerUnavailable`` ("redis unavailable
+    while <action>: ...")."""
+    try:
+        yield
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        raise BrokerUnavailable(f"redis unavailable while {action}: {exc}") from exc
 
 
 class InferenceUnavailable(TransientError):

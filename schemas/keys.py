@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 from schemas.errors import ConfigError
@@ -69,6 +70,16 @@ def state_key(run: str) -> str:
 def counters_key(run: str, partition: int) -> str:
     """Key of a partition's counters hash (same hash tag as its streams)."""
     return f"{PREFIX}:{{{run}:{partition}}}:counters"
+
+
+def sum_counters(hashes: Iterable[Mapping[bytes, bytes]]) -> dict[str, int]:
+    """The run's counters: the partitions' counters hashes (as HGETALL returns them) summed
+    field by field."""
+    counters: dict[str, int] = {}
+    for fields in hashes:
+        for name, value in fields.items():
+            counters[name.decode()] = counters.get(name.decode(), 0) + int(value)
+    return counters
 
 
 def run_key(run: str, name: str) -> str:

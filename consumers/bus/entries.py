@@ -1,18 +1,19 @@
 """What every part of the bus shares: a delivered entry, entry ids, the cluster test and
-the translation of connection failures into ``BrokerUnavailable``."""
+(from ``schemas.errors``) the translation of connection failures."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import redis.exceptions as redis_errors
 from redis.asyncio.cluster import RedisCluster
 
-from schemas import BrokerUnavailable, Fields
+from schemas import Fields
+from schemas.errors import translated_errors
 from schemas.keys import PREFIX
+
+__all__ = ["Delivery", "as_text", "id_order", "is_cluster", "is_entry_id", "run_of_stream",
+           "translated_errors"]
 
 _ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # ASCII digits: \d takes any script's
 _MAX_ID_PART = 2**64 - 1  # a stream id is two unsigned 64-bit numbers, ms-seq
@@ -28,15 +29,6 @@ class Delivery:
     fields: Fields
     deliveries: int = 1
     """Times the entry has been delivered, this delivery included."""
-
-
-@asynccontextmanager
-async def translated_errors(action: str) -> AsyncIterator[None]:
-    """Turn redis-py connection failures into ``BrokerUnavailable``."""
-    try:
-        yield
-    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-        raise BrokerUnavailable(f"redis unavailable while {action}: {exc}") from exc
 
 
 def is_cluster(redis: object) -> bool:
