@@ -18,7 +18,7 @@ checks them again in both directions, since decoding assembles models without va
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -82,6 +82,23 @@ def check_json(name: str, value: Any) -> None:
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
                               allow_inf_nan=False)
+
+    @classmethod
+    def from_valid(cls, values: dict[str, Any]) -> Self:
+        """Build the model from values that are already valid, without validating them again.
+
+        For the codec, which has checked every value against this model's field types
+        (arrays typed and sized by construction, JSON validated in one pydantic-core pass):
+        what ``model_construct`` does, minus its per-field default handling (every field is
+        given), ~1 µs instead of ~8 µs; a group has dozens of these. Anything else builds
+        models the validating way.
+        """
+        instance = cls.__new__(cls)
+        object.__setattr__(instance, "__dict__", values)
+        object.__setattr__(instance, "__pydantic_fields_set__", set(values))
+        object.__setattr__(instance, "__pydantic_extra__", None)
+        object.__setattr__(instance, "__pydantic_private__", None)
+        return instance
 
 
 class Completion(_Frozen):
