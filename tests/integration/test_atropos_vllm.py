@@ -209,16 +209,19 @@ def test_serve_mode_envs_on_real_vllm_survive_api_and_redis_crashes(
     handed = [digest(g["tokens"]) for g in trainer.groups]
     assert len(set(handed)) == len(handed)  # no group handed out twice
     acknowledged = set(posted.read_text().split())
-    assert len(acknowledged) >= len(handed)
-    assert set(handed) <= acknowledged
-    assert len(acknowledged - set(handed)) == queued  # the rest waits for a full batch
-    assert stored(aof_redis, run) == len(acknowledged)  # every acknowledged group is kept
+    total = stored(aof_redis, run)
+    # Every acknowledged group is kept. A post cut short by the envs' stop (or by the
+    # crash) may be stored without its answer reaching the env: stored, never lost.
+    assert total >= len(acknowledged)
+    assert total == len(handed) + queued  # every stored group handed out once, or waiting
+    assert len(acknowledged - set(handed)) <= queued  # the rest waits for a full batch
     for group in trainer.groups:
         check_token_exact(group)
 
-    groups = asyncio.run(sdk_groups(aof_redis.url, run, len(acknowledged)))
-    assert {digest([[*g.trajectory.prompt_ids.tolist(), *c.completion_ids.tolist()]
-                    for c in g.trajectory.completions]) for g in groups} == acknowledged
+    groups = asyncio.run(sdk_groups(aof_redis.url, run, total))
+    read = {digest([[*g.trajectory.prompt_ids.tolist(), *c.completion_ids.tolist()]
+                    for c in g.trajectory.completions]) for g in groups}
+    assert len(read) == total and acknowledged <= read and set(handed) <= read
     assert all(g.reward_config == "atropos:env_scores" for g in groups)
 
 
