@@ -251,7 +251,10 @@ def test_atropos_envs_as_rollq_workers_on_real_vllm_survive_api_and_redis_crashe
     roles = [
         Process([sys.executable, "-m", "ops.cli", "workers", *common, "--env", env,
                  "--inference", vllm_url, "--group-size", str(GROUP_SIZE), "--max-tokens",
-                 "16", "--concurrency", "2"], tmp_path / "workers.log", environment),
+                 "16", "--concurrency", "2"], tmp_path / "workers.log",
+                # A job whose retry Redis could not record (it was down) stays claimed
+                # until its job timeout runs out, then runs again: keep that short here.
+                {**environment, "ROLLQ_JOB_TIMEOUT_S": "30"}),
         Process([sys.executable, "-m", "ops.cli", "feed", *common, "--env", env,
                  "--env-option", f"items={jobs}", "--epochs", "1"],
                 tmp_path / "feed.log", environment),
