@@ -119,25 +119,38 @@ def _tier(item: pytest.Item) -> str | None:
     return None
 
 
+_VLLM_TESTS: set[str] = set()
+_VLLM_OUTCOMES: dict[str, int] = {}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         tier = _tier(item)
         if tier is not None:
             _TIER_OF[item.nodeid] = tier
+        if item.get_closest_marker("vllm") is not None:
+            _VLLM_TESTS.add(item.nodeid)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    tier = _TIER_OF.get(report.nodeid)
     # a test's outcome: its call, or the setup that kept it from running
-    if tier is None or not (report.when == "call" or report.outcome != "passed"):
+    if not (report.when == "call" or report.outcome != "passed"):
         return
-    outcomes = _TIER_OUTCOMES.setdefault(tier, {})
-    outcomes[report.outcome] = outcomes.get(report.outcome, 0) + 1
+    tier = _TIER_OF.get(report.nodeid)
+    if tier is not None:
+        outcomes = _TIER_OUTCOMES.setdefault(tier, {})
+        outcomes[report.outcome] = outcomes.get(report.outcome, 0) + 1
+    if report.nodeid in _VLLM_TESTS:
+        _VLLM_OUTCOMES[report.outcome] = _VLLM_OUTCOMES.get(report.outcome, 0) + 1
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line per Redis tier, so CI output shows that the real-server tests ran."""
+    """One line per Redis tier and one for the vLLM tier, so CI output shows that the
+    real-server tests ran."""
     for tier, where in TIERS.items():
         outcomes = _TIER_OUTCOMES.get(tier, {})
         counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
         terminalreporter.write_line(f"redis tier {tier}{where}: {counts or 'no tests ran'}")
+    counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(_VLLM_OUTCOMES.items()))
+    terminalreporter.write_line("vllm tier (a real CPU vLLM server this test session "
+                                f"started): {counts or 'no tests ran'}")
