@@ -22,7 +22,8 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from schemas import BrokerUnavailable, ContractError
+from schemas import ContractError
+from schemas.errors import translated_errors
 from schemas.keys import run_key
 
 RECORD_TTL_S = 30 * 24 * 3600
@@ -47,7 +48,7 @@ class ItemLedger:
         Returns the item's fields as stored (decoded from the record, so the first try and
         every re-run see equal values) and whether it was drawn by this call."""
         key = self.key(group_id)
-        try:
+        async with translated_errors("recording a drawn item"):
             stored = await self.redis.get(key)
             drawn = False
             if stored is None:
@@ -61,9 +62,6 @@ class ItemLedger:
                 if stored is None:  # removed between the two calls: keep ours
                     await self.redis.set(key, payload, ex=RECORD_TTL_S)
                     stored, drawn = payload, True
-        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise BrokerUnavailable(f"redis unavailable while recording a drawn item: "
-                                    f"{exc}") from exc
         value = orjson.loads(stored)
         if not isinstance(value, dict):
             raise ContractError(f"the drawn-item record of {group_id!r} is not an object")
