@@ -19,9 +19,12 @@ through ``schemas.failures``):
   ``on_error: skip_component`` are flagged in the entry and counted under
   ``flag:<component>:<reason>``.
 
-When a component's population is the batch (``scope: batch``), the scorer offers the
-``Stage`` a ``batch_transform``: each read's groups are scored together in one
-``score_groups`` call, and each group is still forwarded, dropped or failed on its own.
+The scorer offers the ``Stage`` a ``batch_transform``: each read's groups are scored
+together in one ``score_groups`` call (a component scoped to the batch, ``scope: batch``,
+sees all of them; one scoped to the group still sees only its group), and each group is
+still forwarded, dropped or failed on its own. One call per read rather than a task per
+entry: inline components then run as one plain loop over the read's samples, and pool or
+HTTP components get the whole read's samples at once.
 """
 
 from __future__ import annotations
@@ -97,10 +100,9 @@ class Scorer:
         """Where flags are counted; None: not counted (rescore, tests)."""
 
     @property
-    def batch_transform(self) -> BatchTransform | None:
-        """``transform_batch`` when some reward is scoped to the batch, else None (the
-        ``Stage`` then scores each delivery on its own, concurrently)."""
-        return self.transform_batch if self.bridge.batch_scoped else None
+    def batch_transform(self) -> BatchTransform:
+        """``transform_batch``: the ``Stage`` hands it each read whole (module docstring)."""
+        return self.transform_batch
 
     def samples(self, group: TrajectoryGroup) -> list[Sample]:
         """The bridge's samples of a group's completions."""
@@ -171,14 +173,17 @@ class Scorer:
         """Score a read's groups together; one result per delivery (see ``Stage``)."""
         results: list[Outcome | Exception | None] = [None] * len(deliveries)
         decoded: list[tuple[int, TrajectoryGroup]] = []
+        samples: list[list[Sample]] = []
         for index, delivery in enumerate(deliveries):
             try:
-                decoded.append((index, decode_trajectory(delivery.fields)))
+                group = decode_trajectory(delivery.fields)
+                samples.append(self.samples(group))
+                decoded.append((index, group))
             except Exception as exc:  # the Stage sorts it (decode_error, or a bug)
                 results[index] = exc
-        scores = await self.bridge.score_groups(
-            [self.samples(group) for _, group in decoded])
+        scores = await self.bridge.score_groups(samples)
         flagged: list[tuple[Delivery, Sequence[str]]] = []
+        flagged_at: list[int] = []
         for (index, group), score in zip(decoded, scores, strict=True):
             if isinstance(score, ScoringError):
                 results[index] = score
@@ -194,8 +199,13 @@ class Scorer:
                 fields, flags = result
                 if flags:
                     flagged.append((deliveries[index], flags))
+                    flagged_at.append(index)
                 results[index] = Forward(fields)
-        await self._count_flags(flagged)
+        try:
+            await self._count_flags(flagged)
+        except Exception as exc:  # those entries are retried; the read's others go on
+            for index in flagged_at:
+                results[index] = exc
         return [result for result in results if result is not None]
 
     async def _count_flags(self, flagged: Sequence[tuple[Delivery, Sequence[str]]]) -> None:
