@@ -55,7 +55,7 @@ from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.scorer.sample import Sample
 from consumers.stage import Stage
 from ops.logging import configure_logging
-from ops.roles import consumer_name, load_reward_config, reader_settings
+from ops.roles import consumer_name, load_reward_config
 from ops.settings import ScorerSettings
 from producers.publisher import Publisher
 from schemas import Completion, Fields, TrajectoryGroup, encode
@@ -298,7 +298,7 @@ async def scorer_run(settings: ScorerSettings, bridge: TimedBridge, config: Rewa
     """One burst drain of the traj stream by a scorer wired as ``run_scorer`` wires it."""
     reader = StreamReader(client, stream_keys(RUN, 1, "traj"), "scorers",
                           consumer_name(settings, "scorer"),
-                          reader_settings(settings, settings.concurrency))
+                          settings.reader_settings(settings.concurrency))
     stage = Stage(reader, Scorer(bridge, config_fingerprint(config), client),
                   concurrency=settings.concurrency)
     await reader.ensure_groups()

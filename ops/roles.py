@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from consumers.bus import ReaderSettings, StreamReader, translated_errors, trim_streams
+from consumers.bus import StreamReader, translated_errors, trim_streams
 from consumers.housekeeping import forget_idle_consumers, trim_dead
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
@@ -96,12 +96,6 @@ async def _partitions(redis: aioredis.Redis, run: str, default: int) -> int:
     return int(raw)
 
 
-def reader_settings(settings: ReaderTuning, count: int) -> ReaderSettings:
-    return ReaderSettings(block_ms=settings.block_ms, count=count,
-                          reclaim_idle_ms=int(settings.reclaim_idle_s * 1000),
-                          max_deliveries=settings.max_deliveries)
-
-
 async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bool = False,
                      trim_every_s: float = 30.0) -> Stage:
     """Score the run's traj streams until ``stop`` (or, with ``burst``, until empty)."""
@@ -111,7 +105,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
         partitions = await _partitions(redis, settings.run, settings.partitions)
         reader = StreamReader(redis, stream_keys(settings.run, partitions, "traj"), "scorers",
                               consumer_name(settings, "scorer"),
-                              reader_settings(settings, settings.concurrency))
+                              settings.reader_settings(settings.concurrency))
         async with RewardBridge(config) as bridge:
             scorer = Scorer(bridge, config_fingerprint(config), redis)
             stage = Stage(reader, scorer, concurrency=settings.concurrency)

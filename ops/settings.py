@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from consumers.bus import ReaderSettings
 from schemas import ConfigError
 from schemas.keys import check_run_name
 
@@ -124,6 +125,13 @@ class ReaderTuning(CommonSettings):
     consumer_idle_s: float = Field(default=3600.0, gt=0)
     """A consumer idle this long (seconds) with nothing pending is removed from its group
     (restarted roles under the default host-pid name leave one behind each time)."""
+
+    def reader_settings(self, count: int) -> ReaderSettings:
+        """The reader these settings configure, taking up to ``count`` entries a read: the
+        one reader-settings type, built here from the config (which speaks seconds)."""
+        return ReaderSettings(block_ms=self.block_ms, count=count,
+                              reclaim_idle_ms=int(self.reclaim_idle_s * 1000),
+                              max_deliveries=self.max_deliveries)
 
 
 class ScorerSettings(ReaderTuning):

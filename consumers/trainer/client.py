@@ -60,7 +60,7 @@ import httpx
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import Delivery, ReaderSettings, StreamReader, is_entry_id, run_of_stream
+from consumers.bus import Delivery, StreamReader, is_entry_id, run_of_stream
 from consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
 from consumers.trainer.errors import ResumeError
 from consumers.trainer.layout import pad_groups
@@ -149,9 +149,7 @@ class TrainerClient:
         self._reader = StreamReader(
             self.redis, stream_keys(self.run, self.partitions, "scored"), TRAINER_GROUP,
             self.consumer,
-            ReaderSettings(block_ms=s.block_ms, count=s.read_count,
-                           reclaim_idle_ms=s.reclaim_idle_ms, reclaim_every_s=s.reclaim_every_s,
-                           max_deliveries=s.max_deliveries),
+            s.reader_settings(),
             join_trajectories=True,
         )
         await self._reader.ensure_groups()

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from consumers.bus import ReaderSettings
+
 PauseMode = Literal["keep", "wait", "abort"]
 
 
@@ -61,6 +63,15 @@ class TrainerClientSettings:
     """Entries kept in each consumer's trained log, one per acked batch (approximate cap).
     Must exceed the batches acked between two checkpoints, or resuming from the older one
     fails loudly."""
+
+    def reader_settings(self) -> ReaderSettings:
+        """The reader of the scored streams: the one reader-settings type, built here from
+        this client's read fields (the trainer's defaults differ from a role's: a batch
+        stays pending through the training step, so reclaim waits minutes)."""
+        return ReaderSettings(block_ms=self.block_ms, count=self.read_count,
+                              reclaim_idle_ms=self.reclaim_idle_ms,
+                              reclaim_every_s=self.reclaim_every_s,
+                              max_deliveries=self.max_deliveries)
 
     def __post_init__(self) -> None:
         positive = ("batch_groups", "read_count", "reclaim_idle_ms", "max_deliveries",
