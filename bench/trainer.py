@@ -202,7 +202,7 @@ async def latency_run(url: str, payloads: list[Fields], batch_groups: int, read_
                 await pipe.execute()
                 consumed = 0
                 while consumed < len(payloads):
-                    queued = len(tc._queue) >= batch_groups  # bench-only peek: read or not
+                    queued = len(tc._books.queue) >= batch_groups  # bench-only peek: read?
                     started = time.perf_counter()
                     batch = await tc.next_batch(groups=batch_groups)
                     took = (time.perf_counter() - started) * 1e3

@@ -51,8 +51,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -63,11 +62,11 @@ import structlog
 from consumers.bus import Delivery, StreamReader, is_entry_id, run_of_stream
 from consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
 from consumers.trainer.errors import ResumeError
+from consumers.trainer.holdings import Held, Holdings
 from consumers.trainer.layout import pad_groups
 from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
 from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
-from consumers.trainer.staleness import is_stale
 from consumers.trainer.stats import TrainerStats
 from consumers.trainer.weights import PolicyPublisher
 from schemas import BrokerUnavailable, DecodeError, ScoredGroup, decode_scored
@@ -80,20 +79,6 @@ log = structlog.get_logger("rollq.trainer")
 TRAINER_GROUP = "trainer"
 """Consumer group of trainers on the scored streams."""
 STATE_FORMAT = 1
-_SEEN_CACHE = 10_000
-"""Recent acks remembered in memory (a fast path: the seen-set in Redis is the truth); small
-enough that a trainer's memory plateaus within minutes."""
-
-
-@dataclass(eq=False)
-class _Held:
-    delivery: Delivery
-    group: ScoredGroup
-    replay: bool
-
-    @property
-    def ref(self) -> tuple[str, str]:
-        return (self.delivery.stream, self.delivery.entry_id)
 
 
 class TrainerClient:
@@ -126,11 +111,7 @@ class TrainerClient:
                                           timeout_s=self.settings.http_timeout_s,
                                           transport=transport)
         self._reader: StreamReader | None = None
-        self._queue: deque[_Held] = deque()  # ready for a batch, in order
-        self._held: dict[tuple[str, str], _Held] = {}  # queued or in an unacked batch
-        self._held_groups: dict[str, tuple[str, str]] = {}
-        self._replays: dict[tuple[str, str], str] = {}  # replayed, not yet re-acked
-        self._seen: dict[str, str] = {}  # group_id -> ref, a cache of recent acks
+        self._books = Holdings()
         self._version: int | None = None  # own published (or resumed) version
         self._log_head = "0-0"
         self._started = False
@@ -216,7 +197,8 @@ class TrainerClient:
         if not self._started:
             await self._start()
         elif self._recovering:
-            await self._admit(await self.reader.recover_own_pending(self._held, count=100_000))
+            await self._admit(await self.reader.recover_own_pending(self._books.held,
+                                                                    count=100_000))
             self._recovering = False
         # Redis answers again: the outage ends now, not when the batch is full (which may
         # be long after), or the next outage would count from this one's start.
@@ -225,10 +207,10 @@ class TrainerClient:
         while True:
             await self._drop_stale(version)
             count, full = size.fit([(len(h.group.trajectory.completions), _tokens(h.group))
-                                    for h in self._queue])
+                                    for h in self._books.queue])
             remaining = None if deadline is None else deadline - time.monotonic()
             if full or (remaining is not None and remaining <= 0):
-                chosen = [self._queue.popleft() for _ in range(count)]
+                chosen = self._books.take(count)
                 batch = await self._build(chosen)
                 if batch is not None:
                     return batch
@@ -241,7 +223,7 @@ class TrainerClient:
                 wanted = min(wanted, size.groups - count)
             await self._fill(remaining, wanted)
 
-    async def _build(self, chosen: list[_Held]) -> Batch | None:
+    async def _build(self, chosen: list[Held]) -> Batch | None:
         """The batch of ``chosen``; None when some of them cannot be laid out: those are
         dead-lettered and the others go back to the front of the queue."""
         try:
@@ -253,16 +235,15 @@ class TrainerClient:
                 raise  # the batch as a whole failed (e.g. memory), not one group of it
             log.warning("batch_build_failed", run=self.run, groups=len(chosen),
                         failed=len(failed), detail=str(exc)[:200])
-        self._queue.extendleft(reversed([h for h in chosen if h not in failed]))
+        self._books.put_back(h for h in chosen if h not in failed)
         for held, exc in failed.items():
-            self._release(held)
-            self._replays.pop(held.ref, None)  # a replay was acked before: nothing to letter
+            self._books.release(held)  # a replay was acked before: no longer listed either
             await self._reject(held.delivery, exc, refetch=True)
         return None
 
-    def _unbuildable(self, chosen: list[_Held]) -> dict[_Held, Exception]:
+    def _unbuildable(self, chosen: list[Held]) -> dict[Held, Exception]:
         """The groups of a batch that fail to lay out on their own, with their errors."""
-        failed: dict[_Held, Exception] = {}
+        failed: dict[Held, Exception] = {}
         for held in chosen:
             try:
                 pad_groups([held.group], self.settings.pad_token_id)
@@ -282,7 +263,7 @@ class TrainerClient:
         # record, between record and ack, or after the XACK with its reply lost): the
         # record is one MULTI (all or nothing) whose seen-set write sets the same value
         # again and whose log entry, if written twice, lists the same groups, which
-        # ``load_state`` replays once; the entries stay in ``_held`` until a try succeeds;
+        # ``load_state`` replays once; the entries stay held (``Holdings``) until a try succeeds;
         # and the ack script counts ``consumed`` only for the entries its own XACK took out
         # of the pending list, so a retry after an XACK that went through counts 0 and the
         # counter stays exact. A restart that lost the last writes (AOF everysec, kill -9)
@@ -290,8 +271,9 @@ class TrainerClient:
         return await self._rider.call(lambda: self._ack(batch))
 
     async def _ack(self, batch: BatchData) -> int:
-        held = [self._held[ref] for e in batch.entries if (ref := (e.stream, e.entry_id))
-                in self._held]
+        books = self._books
+        held = [books.held[ref] for e in batch.entries if (ref := (e.stream, e.entry_id))
+                in books.held]
         fresh = [h for h in held if not h.replay]
         head = await self._ledger.record(
             [TrainedEntry(h.group.group_id, *h.ref) for h in fresh])
@@ -299,9 +281,8 @@ class TrainerClient:
             self._log_head = head
         counted = await self.reader.ack_counted([h.delivery for h in held], CONSUMED_COUNTER)
         for h in held:
-            self._release(h)
-            self._replays.pop(h.ref, None)
-            self._remember(h.group.group_id, f"{h.ref[0]} {h.ref[1]}")
+            books.release(h)
+            books.remember(h)
         self.stats.acked(batch.entries, [h.group for h in held], counted)
         log.info("batch_acked", run=self.run, groups=len(held), consumed=counted)
         return counted
@@ -323,7 +304,7 @@ class TrainerClient:
             "consumer": self.consumer,
             "log_id": self._log_head,
             "replay": [[stream, entry_id, group_id]
-                       for (stream, entry_id), group_id in self._replays.items()],
+                       for (stream, entry_id), group_id in self._books.replays.items()],
             "policy_version": self._version,
         }
 
@@ -334,7 +315,7 @@ class TrainerClient:
         training was lost). Returns how many groups will be replayed. Raises ResumeError
         when the state is for another run, malformed, or its groups can no longer be found.
         """
-        if self._started or self._held:
+        if self._started or self._books.held:
             raise ResumeError("load_state must be called before the first next_batch")
         try:
             if state["format"] != STATE_FORMAT or state["run"] != self.run:
@@ -373,9 +354,8 @@ class TrainerClient:
                 group = decode_scored(fields)
             except DecodeError as exc:
                 raise ResumeError(f"entry {entry.entry_id} to replay: {exc}") from exc
-            held = _Held(Delivery(entry.stream, entry.entry_id, {}), group, replay=True)
-            self._hold(held)
-            self._replays[held.ref] = entry.group_id
+            self._books.hold(Held(Delivery(entry.stream, entry.entry_id, {}), group,
+                                  replay=True))
         self._version = None if version is None else int(version)
         log.info("trainer_resumed", run=self.run, replay=len(unique), log_id=log_id)
         return len(unique)
@@ -436,7 +416,7 @@ class TrainerClient:
         """Decode, dedup and queue deliveries."""
         candidates: list[tuple[Delivery, ScoredGroup]] = []
         for d in deliveries:
-            if (d.stream, d.entry_id) in self._held:
+            if (d.stream, d.entry_id) in self._books.held:
                 continue  # already ours (queued, replaying, or in an unacked batch)
             try:
                 candidates.append((d, decode_scored(d.fields, run=self.run,
@@ -444,18 +424,18 @@ class TrainerClient:
             except Exception as exc:  # DecodeError, or a bug: either way this entry's
                 await self._reject(d, exc)
         recorded = await self._ledger.seen(
-            [g.group_id for _, g in candidates if g.group_id not in self._seen])
+            [g.group_id for _, g in candidates if g.group_id not in self._books.seen])
         duplicates: list[Delivery] = []
         unfinished: list[Delivery] = []
         for d, group in candidates:
             ref = f"{d.stream} {d.entry_id}"
-            trained = self._seen.get(group.group_id) or recorded.get(group.group_id)
+            trained = self._books.seen.get(group.group_id) or recorded.get(group.group_id)
             if trained == ref:
                 unfinished.append(d)
-            elif trained is not None or group.group_id in self._held_groups:
+            elif trained is not None or self._books.holds_group(group.group_id):
                 duplicates.append(d)
             else:  # keep the decoded group, not the raw bytes
-                self._hold(_Held(replace(d, fields={}), group, replay=False))
+                self._books.hold(Held(replace(d, fields={}), group, replay=False))
         if duplicates:
             await self.reader.drop(duplicates, "duplicate")
             log.info("groups_dropped", run=self.run, reason="duplicate", count=len(duplicates))
@@ -463,13 +443,9 @@ class TrainerClient:
             await self.reader.ack_counted(unfinished, CONSUMED_COUNTER)
 
     async def _drop_stale(self, version: int) -> None:
-        stale = [h for h in self._queue if not h.replay and is_stale(
-            h.group.policy_version, version, self.settings.max_staleness)]
+        stale = self._books.take_stale(version, self.settings.max_staleness)
         if not stale:
             return
-        self._queue = deque(h for h in self._queue if h not in stale)
-        for h in stale:
-            self._release(h)
         await self.reader.drop([h.delivery for h in stale], "stale")
         log.info("groups_dropped", run=self.run, reason="stale", count=len(stale),
                  policy_version=version)
@@ -493,22 +469,6 @@ class TrainerClient:
         lettered = await self.reader.dead_letter(delivery, verdict.reason, verdict.detail)
         log.warning("entry_dead_lettered", stream=delivery.stream, entry_id=delivery.entry_id,
                     reason=verdict.reason, detail=verdict.detail, lettered=lettered)
-
-    def _hold(self, held: _Held) -> None:
-        self._queue.append(held)
-        self._held[held.ref] = held
-        self._held_groups[held.group.group_id] = held.ref
-
-    def _release(self, held: _Held) -> None:
-        self._held.pop(held.ref, None)
-        if self._held_groups.get(held.group.group_id) == held.ref:
-            del self._held_groups[held.group.group_id]
-
-    def _remember(self, group_id: str, ref: str) -> None:
-        self._seen[group_id] = ref
-        if len(self._seen) > _SEEN_CACHE:
-            del self._seen[next(iter(self._seen))]
-
 
 def _tokens(group: ScoredGroup) -> int:
     prompt = len(group.trajectory.prompt_ids)

@@ -1,0 +1,106 @@
+"""What a trainer client holds between Redis and the user's training step.
+
+A scored group, once read and decoded, is *held* until its batch is acked (or it is
+dropped or dead-lettered): first in the queue of groups ready for a batch, then in an
+unacked batch. ``Holdings`` keeps the one set of books the client consults:
+
+- ``queue``: held groups ready for a batch, in order;
+- ``held``: every held group by (stream, entry id), queued or in an unacked batch, so a
+  re-delivery of an entry the client already has is recognised (and a recovery after an
+  outage does not take it again);
+- the group ids held, so that a second entry of a group in hand is a duplicate;
+- ``replays``: groups re-delivered by ``load_state`` (trained before the crash, not yet
+  acked again): they are not recorded twice;
+- ``seen``: a bounded cache of recently acked group ids (the seen-set in Redis is the
+  truth; this spares a round trip for the copies that arrive soon after).
+
+Pure bookkeeping, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from consumers.bus import Delivery
+from consumers.trainer.staleness import is_stale
+from schemas import ScoredGroup
+
+SEEN_CACHE = 10_000
+"""Recent acks remembered in memory (a fast path: the seen-set in Redis is the truth); small
+enough that a trainer's memory plateaus within minutes."""
+
+Ref = tuple[str, str]
+"""(stream, entry id) of a held group."""
+
+
+@dataclass(eq=False)
+class Held:
+    """A decoded group in the client's hands, with the delivery it came from (its fields
+    dropped: the decoded group is kept, not the raw bytes)."""
+
+    delivery: Delivery
+    group: ScoredGroup
+    replay: bool
+    """Re-delivered by ``load_state``: trained once already, acked again without a record."""
+
+    @property
+    def ref(self) -> Ref:
+        return (self.delivery.stream, self.delivery.entry_id)
+
+
+class Holdings:
+    """The client's books of held groups (module docstring)."""
+
+    def __init__(self, seen_cache: int = SEEN_CACHE) -> None:
+        self.queue: deque[Held] = deque()
+        self.held: dict[Ref, Held] = {}
+        self.replays: dict[Ref, str] = {}
+        self.seen: dict[str, str] = {}
+        """group id -> ``"stream entry_id"`` of its trained entry, recent acks only."""
+        self._groups: dict[str, Ref] = {}
+        self._seen_cache = seen_cache
+
+    def holds_group(self, group_id: str) -> bool:
+        return group_id in self._groups
+
+    def hold(self, held: Held) -> None:
+        """Queue ``held`` (at the back) and enter it in the books; a replay is listed too."""
+        self.queue.append(held)
+        self.held[held.ref] = held
+        self._groups[held.group.group_id] = held.ref
+        if held.replay:
+            self.replays[held.ref] = held.group.group_id
+
+    def take(self, count: int) -> list[Held]:
+        """The first ``count`` queued groups, out of the queue (still held)."""
+        return [self.queue.popleft() for _ in range(count)]
+
+    def put_back(self, held: Iterable[Held]) -> None:
+        """Return taken groups to the front of the queue, in their order."""
+        self.queue.extendleft(reversed(list(held)))
+
+    def release(self, held: Held) -> None:
+        """Out of the books: its batch was acked, or it was dropped or dead-lettered."""
+        self.held.pop(held.ref, None)
+        self.replays.pop(held.ref, None)
+        if self._groups.get(held.group.group_id) == held.ref:
+            del self._groups[held.group.group_id]
+
+    def remember(self, held: Held) -> None:
+        """Note ``held`` as trained (after its ack), forgetting the oldest beyond the cache."""
+        self.seen[held.group.group_id] = f"{held.ref[0]} {held.ref[1]}"
+        if len(self.seen) > self._seen_cache:
+            del self.seen[next(iter(self.seen))]
+
+    def take_stale(self, version: int, max_staleness: int | None) -> list[Held]:
+        """Take out of the queue and the books the queued groups stale at ``version``
+        (replays never are: they were admitted once)."""
+        stale = [h for h in self.queue if not h.replay and is_stale(
+            h.group.policy_version, version, max_staleness)]
+        if stale:
+            self.queue = deque(h for h in self.queue if h not in stale)
+            for held in stale:
+                self.release(held)
+        return stale
