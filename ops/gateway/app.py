@@ -23,6 +23,7 @@ from ops.gateway.settings import GatewaySettings
 from ops.role_metrics import add_metrics_route, gateway_metrics
 from producers.inference import InferencePool
 from producers.inference.capture import CaptureHub, Upstream
+from producers.inference.capture.render import LocalTemplate
 
 if TYPE_CHECKING:
     from ops.metrics import RoleMetrics
@@ -37,7 +38,10 @@ def create_app(settings: GatewaySettings, *,
         async with InferencePool(settings.inference, model=settings.model,
                                  timeout_s=settings.request_timeout_s,
                                  max_retries=settings.max_retries, transport=transport) as pool:
-            hub = CaptureHub(Upstream(pool), episode_ttl_s=settings.episode_ttl_s,
+            template = (LocalTemplate.load(settings.tokenizer, settings.chat_template)
+                        if settings.tokenizer else None)
+            hub = CaptureHub(Upstream(pool, template=template),
+                             episode_ttl_s=settings.episode_ttl_s,
                              tool_parser=settings.tool_parser,
                              continuation_check=settings.continuation_check)
             app.state.hub = hub

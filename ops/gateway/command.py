@@ -20,6 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="served model name [asked from /v1/models]")
     parser.add_argument("--episode-ttl", type=float, dest="episode_ttl_s",
                         help="drop an episode idle this many seconds [3600]")
+    parser.add_argument("--tokenizer",
+                        help="the model's tokenizer (directory or hub id): render chat "
+                        "continuations in the gateway, checked against the server, instead of "
+                        "asking /tokenize (needs transformers) [off]")
+    parser.add_argument("--chat-template",
+                        help="with --tokenizer: the template vLLM was started with (file) "
+                        "[the tokenizer's own]")
     parser.add_argument("--continuation-check", choices=["after", "before"],
                         help="check a chat continuation for re-tokenisation before sending it "
                         "(two /tokenize renders) or after (no extra request unless it "
@@ -36,7 +43,8 @@ async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings: GatewaySettings = settings_for(
         GatewaySettings, args, environ, host=args.host, port=args.port,
         inference=inference or None, model=args.model, episode_ttl_s=args.episode_ttl_s,
-        continuation_check=args.continuation_check)
+        continuation_check=args.continuation_check, tokenizer=args.tokenizer,
+        chat_template=args.chat_template)
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_config=None, access_log=False, lifespan="on")
     await uvicorn.Server(config).serve()

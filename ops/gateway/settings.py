@@ -27,6 +27,14 @@ class GatewaySettings(CommonSettings):
     """An episode with no call and no close for this long is dropped (its worker died)."""
     tool_parser: str | None = "hermes"
     """How replies of token-in chat calls find tool calls: ``hermes`` or None."""
+    tokenizer: str | None = None
+    """The served model's tokenizer (a local directory or hub id): with ``transformers``
+    installed, chat continuations are rendered in the gateway instead of by two
+    ``/tokenize`` requests each (checked against the server first, ``capture.render``);
+    None: always ``/tokenize``."""
+    chat_template: str | None = None
+    """The chat template the vLLM server was started with (``--chat-template``: a file or
+    the template), used with ``tokenizer``; None: the tokenizer's own."""
     continuation_check: Literal["before", "after"] = "before"
     """When a chat continuation is checked for re-tokenisation: ``before`` renders the
     conversation through ``/tokenize`` first (two renders per continuation, about 3 ms each

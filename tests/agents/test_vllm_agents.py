@@ -15,7 +15,9 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 import uvicorn
@@ -24,7 +26,10 @@ from ops.gateway.app import create_app
 from ops.gateway.settings import GatewaySettings
 from ops.stack import VllmProcess
 from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
-from producers.inference.capture import RemoteGateway
+from producers.inference import InferencePool
+from producers.inference.capture import RemoteGateway, Upstream
+from producers.inference.capture.render import PROBE_MESSAGES, PROBE_TOOLS, LocalTemplate
+from producers.inference.errors import InferenceRequestError
 from schemas import TrajectoryGroup
 from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow, RewritingEnv
 from tests.agents.helpers import kept_replies, served, trainable_runs
@@ -78,11 +83,12 @@ def check_exact(groups: list[TrajectoryGroup], recorder: RecordingTransport) -> 
 
 
 @contextlib.asynccontextmanager
-async def served_gateway(url: str, recorder: RecordingTransport) -> AsyncIterator[str]:
+async def served_gateway(url: str, recorder: RecordingTransport,
+                         **settings: Any) -> AsyncIterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    app = create_app(GatewaySettings(inference=[url], port=port), transport=recorder)
+    app = create_app(GatewaySettings(inference=[url], port=port, **settings), transport=recorder)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
                                            access_log=False, lifespan="on"))
     task = asyncio.create_task(server.serve())
@@ -142,3 +148,86 @@ async def test_a_context_rewriting_agent_on_real_vllm_makes_two_sequences_per_ep
         assert 0 in completion.loss_mask[own:].tolist()  # the "next" turn between its calls
     batch = await score_and_train(real_redis, groups)
     assert [len(scored.trajectory.completions) for scored in batch.groups] == [4]
+
+
+RENDERED = [
+    PROBE_MESSAGES,
+    [{"role": "user", "content": "What is 6*7? Use the calculator."},
+     {"role": "assistant", "content": "x y <tool_call> z", "tool_calls": []},
+     {"role": "tool", "tool_call_id": "call-0", "content": "42"}],
+    [{"role": "user", "content": "hi"},
+     {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+      "function": {"name": "calculator", "arguments": "{\"expression\": \"1+1\"}"}}]},
+     {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "2"}]}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Äpfel: ☃ 🍎"},
+     {"role": "assistant", "content": "  spaced\n\n", "reasoning": "hidden"}],
+]
+
+
+async def test_the_local_template_renders_as_vllm(tool_vllm: VllmProcess) -> None:
+    """``LocalTemplate`` (the model's tokenizer, the server's template) gives the ids of
+    vLLM's own ``/tokenize`` on tool conversations, every render shape; a template that is
+    not the server's is caught by the probe."""
+    template = LocalTemplate.load(str(tool_vllm.model_dir), str(TEMPLATE))
+    assert template is not None
+    async with InferencePool([tool_vllm.url], health_interval_s=None) as pool:
+        server = Upstream(pool)
+        checked = 0
+        for messages in RENDERED:
+            for tools in (PROBE_TOOLS, None):
+                for generation, continued in ((True, False), (False, False), (False, True)):
+                    options: dict[str, Any] = {
+                        "tools": tools, "add_generation_prompt": generation,
+                        "continue_final_message": continued}
+                    try:
+                        local: list[int] | str | None = template.render(messages, **options)
+                    except Exception:  # the template refused it: so must the server
+                        local = "refused"
+                    try:
+                        served: list[int] | str = await server.render(messages, **options)
+                    except InferenceRequestError:
+                        served = "refused"
+                    assert local == served, (messages, options)
+                    checked += served != "refused"
+        assert checked >= 2 * 2 * len(RENDERED)
+        # arguments as an object: vLLM refuses the request; locally, left to the server
+        odd = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": "1"}}}]}]
+        assert template.render(odd) is None
+        upstream = Upstream(pool, template=template, verify=4)
+        for messages in RENDERED:
+            await upstream.render(messages, tools=PROBE_TOOLS)
+        assert await upstream.turn_end() == await server.turn_end()
+        assert upstream.template is template and upstream.render_mismatches == 0
+        assert upstream.local_renders == len(RENDERED) + 2
+
+        wrong = LocalTemplate.load(str(tool_vllm.model_dir))  # the tokenizer's own template
+        dropped = Upstream(pool, template=wrong)
+        messages = RENDERED[1]
+        assert await dropped.render(messages, tools=PROBE_TOOLS) == await server.render(
+            messages, tools=PROBE_TOOLS)
+        assert dropped.template is None and dropped.render_mismatches == 1
+
+
+async def test_the_calculator_agent_through_a_gateway_rendering_locally(
+        tool_vllm: VllmProcess, redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    """``rollq gateway --tokenizer --chat-template``: the same exact capture, with the
+    continuations rendered in the gateway (no ``/tokenize`` after its checks)."""
+    recorder = RecordingTransport()
+    async with served_gateway(tool_vllm.url, recorder, tokenizer=str(tool_vllm.model_dir),
+                              chat_template=str(TEMPLATE)) as url:
+        workflow_env = GatewayEpisodeEnv(
+            "calc-gateway", CalculatorWorkflow(max_tokens=24),
+            [{"question": question} for question in QUESTIONS], gateway=RemoteGateway(url))
+        groups = await run_workers(redis_server.url, real_redis, workflow_env, None, [0],
+                                   inference_url=tool_vllm.url)
+        async with httpx.AsyncClient() as http:
+            renders = (await http.get(f"{url}/health")).json()["renders"]
+    check_exact(groups, recorder)
+    token_in = sum(c.info["capture"]["token_in"] for g in groups for c in g.completions)
+    assert token_in > 0  # the random model's replies drift: continuations went token-in
+    assert renders["mismatches"] == 0 and renders["local"] > 0
+    tokenize = sum(path == "/tokenize" for path, _, _ in recorder.exchanges)
+    assert tokenize == renders["server"] <= 4 + 16  # the probe and the checked renders
+    batch = await score_and_train(real_redis, groups)
+    assert len(batch.groups) == 1

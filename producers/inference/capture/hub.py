@@ -10,7 +10,9 @@ same code serves the HTTP gateway (``ops.gateway``) and the in-process transport
 - ``POST /episodes/<id>/v1/chat/completions`` and ``…/v1/completions``: captured calls;
   ``GET /episodes/<id>/v1/models`` and ``GET /v1/models``: the served model;
 - ``POST /v1/chat/completions`` and ``/v1/completions``: the same proxy, uncaptured;
-- ``GET /health``.
+- ``GET /health``: the open episodes, and how chat renders were made (``local``: by the
+  gateway's own template, ``server``: ``/tokenize``, ``mismatches``: local renders that
+  differed from the server's, ``capture.render``).
 
 With ``"stream": true`` the reply is sent as server-sent events: the whole reply in one
 content chunk (and one tool-call chunk), then the finish chunk, the usage chunk when
@@ -150,7 +152,11 @@ class CaptureHub:
     async def _route(self, method: str, path: str, body: dict[str, Any]) -> GatewayReply:
         parts = path.strip("/").split("/")
         if method == "GET" and path == "/health":
-            return GatewayReply(body={"status": "ok", "episodes": len(self.episodes)})
+            upstream = self.upstream
+            return GatewayReply(body={"status": "ok", "episodes": len(self.episodes),
+                                      "renders": {"local": upstream.local_renders,
+                                                  "server": upstream.server_renders,
+                                                  "mismatches": upstream.render_mismatches}})
         if parts[0] == "episodes":
             if method == "POST" and len(parts) == 1:
                 capture = self.open(body.get("episode_id"), defaults=body.get("defaults"))

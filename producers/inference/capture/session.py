@@ -10,8 +10,9 @@ On the way:
   from the reply again unless the agent asked for them;
 - **chat continuation**: when the messages are an earlier call's messages, its reply, then
   more (tool results, a user turn), the prompt the text path would produce is checked.
-  ``continuation_check="before"`` (the default): it is rendered
-  (``/tokenize`` of the messages, with ``tools``) and compared with the *spliced* prompt:
+  ``continuation_check="before"`` (the default): it is rendered (``Upstream.render``:
+  ``/tokenize`` of the messages, with ``tools``, or the same ids from a ``LocalTemplate``
+  in this process, ``capture.render``) and compared with the *spliced* prompt:
   the earlier call's exact prompt and completion ids, the template's turn end the model did
   not emit, then the rendering of the new messages (``rendered[len(through reply):]``). If
   they differ (the template re-renders the earlier reply: BPE re-tokenisation, stripped
