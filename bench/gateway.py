@@ -1,20 +1,29 @@
 """Gateway overhead: the same agent workload through ``rollq gateway`` vs straight to vLLM.
 
     python -m bench.gateway [--episodes 16] [--concurrency 4] [--max-tokens 32] [--runs 3]
-                            [--vllm-python .venv-vllm/bin/python]
+                            [--vllm-python .venv-vllm/bin/python] [--profile-gateway PATH]
 
 A real CPU vLLM server (the tiny model, with ``--enable-auto-tool-choice --tool-call-parser
 hermes`` and a chat template that renders tools) serves a calculator agent written with the
 ``openai`` client: 3 chat calls per episode with ``tools``, each reply followed by a ``tool``
-message, ``max_tokens`` tokens per call (``ignore_eos``). ``direct``: the agent's base URL is
-vLLM's. ``gateway``: a ``rollq gateway`` process in front of it; each episode is opened
-(``POST /episodes``), run on its own base URL, and closed (the captured sequences come back).
-``direct+lp``: straight to vLLM, asking the logprobs and token ids the gateway forces, which
-separates what capture asks of vLLM from the gateway's own cost. All run back to back
-``--runs`` times; the closing lines are the median ratio of completion
-tokens/s (gateway/direct, goal >= 0.9) and the added latency per call (p50/p99 of the
-gateway's call latencies minus the direct ones, medians over runs).
-"""
+message, ``max_tokens`` tokens per call (``ignore_eos``). Variants:
+
+- ``direct``: the agent's base URL is vLLM's;
+- ``gateway``: a ``rollq gateway`` process in front of it, given the model's tokenizer and
+  the server's template (``--tokenizer --chat-template``: chat continuations rendered in
+  the gateway, checked against ``/tokenize`` first); each episode is opened (``POST
+  /episodes``), run on its own base URL, and closed (the captured sequences come back);
+- ``gateway/tokenize``: the same without the tokenizer (every render a ``/tokenize``
+  request, two per continuation: a gateway without ``transformers`` or ``--tokenizer``);
+- ``direct+lp``: straight to vLLM, asking the logprobs and token ids the gateway forces,
+  which separates what capture asks of vLLM from the gateway's own cost.
+
+Each of ``--runs`` rounds runs every variant back to back, starting with a different one
+each round. Per run: tokens/s, call latency, and CPU milliseconds per call of vLLM's API
+server, its engine (which busy-polls, so it tracks wall time), the gateway and the agent
+process. The closing lines are the median ratio of completion tokens/s (gateway/direct,
+goal >= 0.9) and the added latency per call (p50/p99 of the gateway's call latencies minus
+the direct ones, medians over runs)."""
 
 from __future__ import annotations
 
@@ -61,6 +70,9 @@ class Run:
     latencies: list[float] = field(default_factory=list)
     token_in: int = 0
     """Gateway calls sent as token ids (their text path would have re-tokenised a reply)."""
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds spent during the run: ``vllm`` (its process tree), ``gateway``,
+    ``agent`` (this process: the ``openai`` clients)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -111,15 +123,57 @@ async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Na
     return run
 
 
+def process_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by process ``root`` (``own``) and its
+    descendants (``children``), from Linux's ``/proc`` (zeros elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    parents: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks
+
+    def under(pid: int) -> bool:
+        pid = parents.get(pid, 0)
+        while pid > 1:
+            if pid == root:
+                return True
+            pid = parents.get(pid, 0)
+        return False
+
+    return {"own": used.get(root, 0.0),
+            "children": sum(seconds for pid, seconds in used.items() if under(pid))}
+
+
+def cpu_by_role(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of vLLM's API server (``vllm-api``: HTTP, templates, detokenising),
+    its engine (``vllm-engine``: the model; it busy-polls a core for a while after each
+    request, so it tracks wall time) and each gateway."""
+    vllm = process_cpu(pids["vllm"])
+    return {"vllm-api": vllm["own"], "vllm-engine": vllm["children"],
+            **{role: sum(process_cpu(pid).values()) for role, pid in pids.items()
+               if role != "vllm"}}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def start_gateway(vllm_url: str, port: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    command = [sys.executable, "-c", "from ops.cli import main; raise SystemExit(main())",
+def start_gateway(vllm_url: str, port: int, log: Path, *, render: list[str],
+                  profile: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    launch = (["-m", "cProfile", "-o", profile, "-m", "ops.cli"] if profile else
+              ["-c", "from ops.cli import main; raise SystemExit(main())"])
+    command = [sys.executable, *launch,
                "gateway", "--host", "127.0.0.1", "--port", str(port), "--inference", vllm_url,
-               "--model", "rollq-tiny", "--log-format", "json", "--log-level", "warning"]
+               "--model", "rollq-tiny", "--log-format", "json", "--log-level", "warning",
+               *render]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -135,24 +189,48 @@ def start_gateway(vllm_url: str, port: int, log: Path) -> tuple[subprocess.Popen
     raise SystemExit(f"gateway did not start:\n{log.read_text()[-2000:]}")
 
 
-async def measure(vllm_url: str, gateway_url: str,
-                  args: argparse.Namespace) -> dict[str, list[Run]]:
+VARIANTS = ("direct", "direct+lp", "gateway", "gateway/tokenize")
+"""``gateway``: rendering chat continuations itself (``--tokenizer``); ``gateway/tokenize``:
+the same gateway without the tokenizer, every render a ``/tokenize`` request to vLLM."""
+
+
+async def measure(vllm_url: str, gateways: dict[str, str], args: argparse.Namespace,
+                  pids: dict[str, int]) -> dict[str, list[Run]]:
     print(f"{args.episodes} episodes x 3 calls x {args.max_tokens} tokens, concurrency "
           f"{args.concurrency}, {args.runs} runs; {os.cpu_count()} CPUs", flush=True)
     await run_workload(vllm_url, None, args)  # warm-up, untimed
-    await run_workload(vllm_url, gateway_url, args)
-    results: dict[str, list[Run]] = {"direct": [], "direct+lp": [], "gateway": []}
+    for url in gateways.values():
+        await run_workload(vllm_url, url, args)
+    results: dict[str, list[Run]] = {name: [] for name in VARIANTS}
+    names = list(results)
     for number in range(args.runs):
-        for name in results:
-            run = await run_workload(vllm_url, gateway_url if name == "gateway" else None, args,
+        # each run starts with another variant, so no variant always follows the same one
+        start = number % len(names)
+        for name in names[start:] + names[:start]:
+            before = cpu_by_role(pids)
+            agent = time.process_time()
+            run = await run_workload(vllm_url, gateways.get(name), args,
                                      capture_fields=name == "direct+lp")
+            run.cpu = {role: seconds - before[role]
+                       for role, seconds in cpu_by_role(pids).items()
+                       if role in ("vllm-api", "vllm-engine", name)}
+            run.cpu["agent"] = time.process_time() - agent
             results[name].append(run)
-            drift = (f" token-in {run.token_in}/{len(run.latencies)} calls"
-                     if name == "gateway" else "")
-            print(f"run {number + 1}/{args.runs} {name:9s}: {run.seconds:6.2f} s "
-                  f"{run.tokens:6d} tokens {run.tokens_per_s:7.1f} tokens/s "
-                  f"p50 {percentile(run.latencies, 0.5) * 1000:6.1f} ms "
-                  f"p99 {percentile(run.latencies, 0.99) * 1000:6.1f} ms{drift}", flush=True)
+            drift = (f" token-in {run.token_in}/{len(run.latencies)}"
+                     if name in gateways else "")
+            calls = len(run.latencies)
+            cpu = " ".join(f"{role} {seconds / calls * 1000:.1f}"
+                           for role, seconds in run.cpu.items())
+            print(f"run {number + 1}/{args.runs} {name:16s}: {run.seconds:6.2f} s "
+                  f"{run.tokens_per_s:6.1f} tokens/s "
+                  f"p50 {percentile(run.latencies, 0.5) * 1000:5.1f} ms "
+                  f"p99 {percentile(run.latencies, 0.99) * 1000:5.1f} ms{drift}; "
+                  f"CPU ms/call: {cpu}", flush=True)
+    for name, url in gateways.items():
+        async with httpx.AsyncClient() as http:
+            renders = (await http.get(f"{url}/health")).json()["renders"]
+        print(f"{name} chat renders: {renders['local']} local, {renders['server']} by "
+              f"/tokenize, {renders['mismatches']} local renders differing", flush=True)
     await time_tokenize(vllm_url)
     return results
 
@@ -193,15 +271,25 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
                            compile_cache=cache)
         print("== starting the CPU vLLM server with the tiny model ...", flush=True)
         vllm.start()
+        assert vllm.process is not None
+        started: list[subprocess.Popen[bytes]] = []
         try:
-            gateway, gateway_url = start_gateway(vllm.url, free_port(),
-                                                 directory / "gateway.log")
-            try:
-                return asyncio.run(measure(vllm.url, gateway_url, args))
-            finally:
-                gateway.terminate()
-                gateway.wait(timeout=30)
+            gateways: dict[str, str] = {}
+            pids = {"vllm": vllm.process.pid}
+            for name in ("gateway", "gateway/tokenize"):
+                render = [] if name.endswith("/tokenize") else [
+                    "--tokenizer", str(model), "--chat-template",
+                    str(directory / "template.jinja")]
+                process, gateways[name] = start_gateway(
+                    vllm.url, free_port(), directory / f"{name.replace('/', '-')}.log",
+                    render=render, profile=args.profile_gateway if name == "gateway" else None)
+                started.append(process)
+                pids[name] = process.pid
+            return asyncio.run(measure(vllm.url, gateways, args, pids))
         finally:
+            for process in started:
+                process.terminate()
+                process.wait(timeout=30)
             vllm.stop()
 
 
@@ -220,6 +308,15 @@ def report(results: dict[str, list[Run]]) -> None:
         results["direct+lp"], results["gateway"], strict=True))
     print(f"gateway / direct asking the same logprobs and token ids: {captured:.2f} "
           "(what the gateway itself costs, beyond what capture asks of vLLM)")
+    tokenize = median_of(g.tokens_per_s / d.tokens_per_s for d, g in zip(
+        results["direct"], results["gateway/tokenize"], strict=True))
+    print(f"gateway/tokenize / direct (no --tokenizer: every render a /tokenize request): "
+          f"{tokenize:.2f}")
+    for name, runs in results.items():
+        cpu = {role: median_of(run.cpu[role] / len(run.latencies) for run in runs)
+               for role in runs[0].cpu}
+        print(f"CPU ms per call, {name:16s} (medians): "
+              + ", ".join(f"{role} {seconds * 1000:.1f}" for role, seconds in cpu.items()))
     verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
     print(f"ratio {ratio:.2f} (gateway/direct tokens/s, goal >= {TARGET_RATIO}) {verdict}")
 
@@ -235,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                         or ".venv-vllm/bin/python",
                         help="python of a venv with vLLM [ROLLQ_TEST_VLLM_PYTHON, else "
                         ".venv-vllm/bin/python, what .ci/setup.sh makes]")
+    parser.add_argument("--profile-gateway", metavar="PATH",
+                        help="run the gateway under cProfile and write its stats to PATH "
+                        "(read with python -m pstats; slows the gateway: not for figures)")
     args = parser.parse_args(argv)
     if not Path(args.vllm_python).exists():
         parser.error(f"no vLLM interpreter at {args.vllm_python}: give --vllm-python or set "
