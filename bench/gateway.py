@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -288,7 +289,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
             return asyncio.run(measure(vllm.url, gateways, args, pids))
         finally:
             for process in started:
-                process.terminate()
+                # SIGINT: uvicorn re-raises the signal after shutting down, and cProfile
+                # writes its stats on KeyboardInterrupt (not on SIGTERM's default death)
+                process.send_signal(signal.SIGINT if args.profile_gateway else signal.SIGTERM)
                 process.wait(timeout=30)
             vllm.stop()
 
