@@ -150,7 +150,7 @@ async def test_a_context_rewriting_agent_on_real_vllm_makes_two_sequences_per_ep
     assert [len(scored.trajectory.completions) for scored in batch.groups] == [4]
 
 
-RENDERED = [
+RENDERED: list[list[dict[str, Any]]] = [
     PROBE_MESSAGES,
     [{"role": "user", "content": "What is 6*7? Use the calculator."},
      {"role": "assistant", "content": "x y <tool_call> z", "tool_calls": []},
