@@ -105,9 +105,9 @@ async def test_empty_optional_lists_come_back_as_posted(redis: aioredis.Redis) -
 
 
 def test_the_process_piece_cache_keeps_the_newest_within_its_budget() -> None:
-    from ops.atropos.store import _PieceCache
+    from ops.atropos.kept_pieces import PieceCache
 
-    cache = _PieceCache(budget=10)
+    cache = PieceCache(budget=10)
     for i in range(4):
         cache.put(("s", str(i)), b"x" * 4)
     assert [cache.get(("s", str(i))) for i in range(4)] == [None, None, b"xxxx", b"xxxx"]
