@@ -11,15 +11,15 @@ been promoted (the cluster's own failover, ``cluster-node-timeout`` 1 s here).
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ops.process_groups import kill_group, stop_group
 
 
 def cluster_port() -> int:
@@ -69,17 +69,12 @@ class LocalNode:
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=5)
+            kill_group(self.process)
         self.process = None
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.process is not None:
+            stop_group(self.process, grace_s=10)
         self.process = None
 
 

@@ -7,10 +7,8 @@ workers it forked (vLLM's EngineCore); nothing is left behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from ops.process_groups import kill_group, stop_group
 from schemas import ConfigError, InferenceUnavailable
 
 
@@ -26,19 +25,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=5)
-    except ProcessLookupError:
-        pass
 
 
 class RedisProcess:
@@ -84,15 +70,13 @@ class RedisProcess:
 
     def stop(self) -> None:
         if self.process is not None:
-            _stop_group(self.process)
+            stop_group(self.process)
             self.process = None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: writes not yet fsynced to the AOF are lost."""
         if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=5)
+            kill_group(self.process)
             self.process = None
 
     def restart(self, *, kill: bool = False) -> None:
@@ -174,5 +158,5 @@ class VllmProcess:
 
     def stop(self) -> None:
         if self.process is not None:
-            _stop_group(self.process)
+            stop_group(self.process)
             self.process = None

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import redis
 
+from ops.process_groups import stop_group
 from ops.stack import free_port
 
 ADMIN_PASSWORD = "admin-secret-pw"
@@ -106,11 +105,6 @@ class TlsRedis:
                                    *rules)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.process is not None:
+            stop_group(self.process, grace_s=10)
         self.process = None

@@ -4,7 +4,6 @@ and groups as envs post them."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from ops.atropos.app import create_app
+from ops.process_groups import kill_group, stop_group
 from ops.settings import AtroposApiSettings
 from tests.redis_server import free_port
 
@@ -96,16 +96,11 @@ class Process:
 
     def kill(self) -> None:
         assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=10)
+        kill_group(self.process, wait_s=10)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.process is not None:
+            stop_group(self.process, grace_s=10)
 
 
 class ApiProcess(Process):
