@@ -6,9 +6,10 @@ import redis.asyncio as aioredis
 
 from ops.status import collect_status, render_status
 from producers.publisher import Publisher
-from producers.worker import connect_queue, enqueue_rollout, queue_name
+from producers.worker import queue_name
 from schemas.keys import ADMITTED_FIELD, state_key
 from tests.factories import make_group
+from tests.producers.jobs import enqueue_positions
 from tests.redis_server import RedisServer
 
 RUN = "audit"
@@ -17,12 +18,7 @@ RUN = "audit"
 async def test_status_finds_admitted_groups_that_are_nowhere(
         real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
     await Publisher(real_redis, RUN).register()
-    queue = await connect_queue(redis_server.url)
-    try:
-        for position in range(6):
-            assert await enqueue_rollout(queue, RUN, "toy", position)
-    finally:
-        await queue.aclose()
+    await enqueue_positions(redis_server.url, RUN, "toy", range(6))
     await real_redis.hincrby(state_key(RUN), ADMITTED_FIELD, 6)
     # Two jobs finished: their groups are on the traj stream, their jobs left the queue.
     for position in range(2):

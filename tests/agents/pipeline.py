@@ -14,11 +14,12 @@ from consumers.trainer import TrainerClient
 from producers.envs.base import Env
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout
+from producers.worker import build_worker
 from schemas import ScoredGroup, TrajectoryGroup, decode_trajectory, encode
 from schemas.keys import stream_key
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.producers.fake_vllm import fake_transport
+from tests.producers.jobs import enqueue_positions
 
 RUN = "agents"
 ENV_SCORE_ONLY = {"components": [{"name": "env", "component": "env_score"}],
@@ -30,12 +31,7 @@ async def run_workers(url: str, redis: aioredis.Redis, env: Env, fake: AgentFake
                       group_size: int = 2, transport: Any = None) -> list[TrajectoryGroup]:
     """Enqueue ``positions`` and run a burst worker with ``env``; the published groups."""
     await Publisher(redis, RUN).register()
-    queue = await connect_queue(url)
-    try:
-        for position in positions:
-            assert await enqueue_rollout(queue, RUN, env.name, position)
-    finally:
-        await queue.aclose()
+    await enqueue_positions(url, RUN, env.name, positions)
     arq_worker = build_worker(
         redis_url=url, run=RUN, env_factory=lambda: env,
         inference_urls=[inference_url or (fake.base_url if fake else "")], model=None,

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +12,6 @@ import numpy as np
 import openai
 import pytest
 import redis.asyncio as aioredis
-import uvicorn
 
 from ops.cli import build_parser
 from ops.gateway.app import create_app
@@ -39,7 +36,8 @@ from tests.agents.helpers import (
 )
 from tests.agents.pipeline import run_workers, score_and_train
 from tests.producers.fake_vllm import fake_transport
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
+from tests.serving import serve_asgi
 
 RECORDS = [{"question": question, "answer": "42"} for question in QUESTIONS]
 
@@ -234,22 +232,11 @@ async def test_episode_api_agent_on_real_workers_reaches_the_trainer(
 
 @contextlib.asynccontextmanager
 async def served_gateway(fake: AgentFakeVLLM) -> AsyncIterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny",
                                      port=port), transport=fake_transport(fake))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(20):
-            while not server.started:  # noqa: ASYNC110  uvicorn sets a flag, no event
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_asgi(app, port) as url:
+        yield url
 
 
 async def test_remote_gateway_over_real_uvicorn_with_an_agent_that_builds_its_own_client(

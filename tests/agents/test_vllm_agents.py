@@ -9,10 +9,8 @@ server of its own with ``tool_template.jinja`` (the session server keeps its fla
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 import redis.asyncio as aioredis
-import uvicorn
 
 from ops.gateway.app import create_app
 from ops.gateway.settings import GatewaySettings
@@ -35,7 +32,8 @@ from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow, Re
 from tests.agents.helpers import kept_replies, served, trainable_runs
 from tests.agents.pipeline import run_workers, score_and_train
 from tests.integration.recording import RecordingTransport
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisServer, free_port
+from tests.serving import serve_asgi
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
@@ -85,21 +83,10 @@ def check_exact(groups: list[TrajectoryGroup], recorder: RecordingTransport) -> 
 @contextlib.asynccontextmanager
 async def served_gateway(url: str, recorder: RecordingTransport,
                          **settings: Any) -> AsyncIterator[str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     app = create_app(GatewaySettings(inference=[url], port=port, **settings), transport=recorder)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None,
-                                           access_log=False, lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:  # noqa: ASYNC110  uvicorn sets a flag, no event
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_asgi(app, port, start_timeout_s=30) as served_url:
+        yield served_url
 
 
 async def test_calculator_agent_on_real_vllm_episode_api_and_gateway(

@@ -3,16 +3,14 @@ run the ``rollq`` CLI itself (which reaches its servers over HTTP, not a mock tr
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
-import uvicorn
 
 from tests.producers.fake_vllm import FakeVLLM
+from tests.serving import serve_asgi
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -49,17 +47,5 @@ class FakeVLLMApp:
 @contextlib.asynccontextmanager
 async def serve_fake(fake: FakeVLLM) -> AsyncIterator[str]:
     """Serve ``fake`` on a free loopback port; yields its base URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(FakeVLLMApp(fake), host="127.0.0.1", port=port,
-                                           log_config=None, access_log=False, lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(20):
-            while not server.started:  # noqa: ASYNC110  uvicorn sets a flag, no event
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
+    async with serve_asgi(FakeVLLMApp(fake)) as url:
+        yield url

@@ -47,6 +47,7 @@ from schemas.keys import (
     stream_key,
 )
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
+from tests.producers.jobs import enqueue_positions
 from tests.redis_server import RedisServer
 from tests.waiting import until
 
@@ -92,12 +93,7 @@ def worker(url: str, env: Env, fake: FakeVLLM, *, max_tries: int = 3,
 async def run_positions(url: str, redis: aioredis.Redis, env: Env, positions: list[int],
                         *, fake: FakeVLLM | None = None, **options: Any) -> None:
     await Publisher(redis, RUN).register()
-    queue = await connect_queue(url)
-    try:
-        for position in positions:
-            assert await enqueue_rollout(queue, RUN, env.name, position)
-    finally:
-        await queue.aclose()
+    await enqueue_positions(url, RUN, env.name, positions)
     await redis.hincrby(state_key(RUN), ADMITTED_FIELD, len(positions))
     await drain(url, env, fake or FakeVLLM(), **options)
 
