@@ -81,7 +81,7 @@ from schemas import (
     decode_trajectory,
     encode,
 )
-from schemas.keys import stream_key
+from schemas.keys import stream_key, stream_keys
 
 RUN = "bench"
 TRAJ = stream_key(RUN, 0, "traj")
@@ -273,24 +273,29 @@ async def _train_until(trainer: StreamReader, total: int) -> float:
     return time.monotonic()
 
 
-def _stage(client: aioredis.Redis, batch: int) -> Stage:
-    return Stage(StreamReader(client, [TRAJ], "scorers", "s1",
+def _stage(client: aioredis.Redis, batch: int, partitions: int = 1) -> Stage:
+    return Stage(StreamReader(client, stream_keys(RUN, partitions, "traj"), "scorers", "s1",
                               ReaderSettings(count=batch, block_ms=BLOCK_MS)), score_transform)
 
 
-def _trainer(client: aioredis.Redis, batch: int) -> StreamReader:
-    return StreamReader(client, [SCORED], "trainer", "t1",
+def _trainer(client: aioredis.Redis, batch: int, partitions: int = 1) -> StreamReader:
+    return StreamReader(client, stream_keys(RUN, partitions, "scored"), "trainer", "t1",
                         ReaderSettings(count=batch, block_ms=BLOCK_MS), join_trajectories=True)
 
 
-async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int) -> Result:
-    """rollq's three roles on this process's loop."""
-    pub_client, stage_client, trainer_client = _client(url), _client(url), _client(url)
+async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int, *,
+                    partitions: int = 1,
+                    connect: Callable[[str], aioredis.Redis] = _client) -> Result:
+    """rollq's three roles on this process's loop, each on its own client (``connect(url)``),
+    over ``partitions`` partitions (``bench.bus_cluster`` runs it on a cluster)."""
+    clients = [connect(url) for _ in range(3)]
+    pub_client, stage_client, trainer_client = clients
     try:
-        await pub_client.flushall()
-        publisher = Publisher(pub_client, RUN)
+        await pub_client.flushall()  # a cluster client sends it to every master
+        publisher = Publisher(pub_client, RUN, partitions)
         await publisher.register()
-        stage, trainer = _stage(stage_client, batch), _trainer(trainer_client, batch)
+        stage = _stage(stage_client, batch, partitions)
+        trainer = _trainer(trainer_client, batch, partitions)
         await stage.reader.ensure_groups()
         await trainer.ensure_groups()
         total = len(groups)
@@ -306,7 +311,7 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], batch: int) -> Resu
             raise RuntimeError(f"stage forwarded {stage.forwarded} of {total} groups")
         return Result(end - start, total)
     finally:
-        for c in (pub_client, stage_client, trainer_client):
+        for c in clients:
             await c.aclose()
 
 

@@ -22,30 +22,24 @@ Redis node" turns these into the scaling model for N machines.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from bench.bus import RUN, Result, _score_until, _train_until, make_groups, score_transform
+from bench.bus import RUN, Result, _score_until, _stage, make_groups, run_rollq
 from bench.common import BenchRedis, median_of, print_table
-from consumers.bus import ReaderSettings, StreamReader
-from consumers.stage import Stage
 from ops.cluster import ClusterClient
 from ops.connections import open_url
 from ops.local_cluster import LocalCluster
 from producers.publisher import Publisher
 from schemas import TrajectoryGroup, encode
 from schemas.keys import stream_keys
-
-BLOCK_MS = 100
 
 
 def _open(url: str, wait_replicas: int = 0) -> aioredis.Redis:
@@ -62,34 +56,8 @@ async def _flush(client: aioredis.Redis) -> None:
 async def run_partitioned(url: str, groups: list[TrajectoryGroup], batch: int, partitions: int,
                           wait_replicas: int = 0) -> Result:
     """bench.bus's rollq variant over ``partitions`` partitions of the server at ``url``."""
-    clients = [_open(url, wait_replicas) for _ in range(3)]
-    pub_client, stage_client, trainer_client = clients
-    try:
-        await _flush(pub_client)
-        publisher = Publisher(pub_client, RUN, partitions)
-        await publisher.register()
-        settings = ReaderSettings(count=batch, block_ms=BLOCK_MS)
-        stage = Stage(StreamReader(stage_client, stream_keys(RUN, partitions, "traj"),
-                                   "scorers", "s1", settings), score_transform)
-        trainer = StreamReader(trainer_client, stream_keys(RUN, partitions, "scored"),
-                               "trainer", "t1", settings, join_trajectories=True)
-        await stage.reader.ensure_groups()
-        await trainer.ensure_groups()
-        total = len(groups)
-
-        async def publish() -> None:
-            for group in groups:
-                await publisher.publish(group)
-
-        start = time.monotonic()
-        _, _, end = await asyncio.gather(publish(), _score_until(stage, total),
-                                         _train_until(trainer, total))
-        if stage.forwarded != total:
-            raise RuntimeError(f"stage forwarded {stage.forwarded} of {total} groups")
-        return Result(end - start, total)
-    finally:
-        for client in clients:
-            await client.aclose()
+    return await run_rollq(url, groups, batch, partitions=partitions,
+                           connect=lambda url: _open(url, wait_replicas))
 
 
 async def distribution(cluster: LocalCluster, url: str, groups: list[TrajectoryGroup],
@@ -103,9 +71,7 @@ async def distribution(cluster: LocalCluster, url: str, groups: list[TrajectoryG
         await publisher.register()
         for group in groups:
             await publisher.publish(group)
-        stage = Stage(StreamReader(client, stream_keys(RUN, partitions, "traj"), "scorers",
-                                   "s1", ReaderSettings(count=batch, block_ms=BLOCK_MS)),
-                      score_transform)
+        stage = _stage(client, batch, partitions)
         await stage.reader.ensure_groups()
         await _score_until(stage, len(groups))
         cluster_client = cast(ClusterClient, client)
