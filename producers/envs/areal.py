@@ -18,21 +18,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.envs.base import EpisodeResult, EpisodeWorkflow, Item, PolicyVersion, Rollout
-from producers.envs.episode import (
-    GatewayEpisodeEnv,
-    UpstreamCache,
-    build_rollout,
-    episode_sampling,
+from producers.envs.base import (
+    EpisodeResult,
+    EpisodeWorkflow,
+    Item,
+    PolicyVersion,
+    RecordItems,
+    Rollout,
 )
+from producers.envs.episode import GatewayEpisodeEnv, UpstreamCache, captured_group
 from producers.inference import InferencePool, SamplingParams
-from producers.inference.capture import CapturedEpisode, EpisodeCapture, EpisodeGateway
+from producers.inference.capture import EpisodeCapture, EpisodeGateway
 
 AREAL_TOP_K_OFF = 100_000_000
 """AReaL's ``top_k`` default (1e8) means no top-k."""
@@ -114,7 +115,7 @@ class ArealLLMClient:
 
 
 @dataclass
-class ArealCollectorEnv:
+class ArealCollectorEnv(RecordItems):
     """An ``Env`` of arealite collectors over a dataset (module docstring).
 
     - ``make_collector``: a fresh ``RolloutCollector`` (with its agent and env) per episode.
@@ -129,34 +130,19 @@ class ArealCollectorEnv:
     gconfig: Callable[[SamplingParams], Any] = ArealGenerationConfig.from_sampling
     _upstreams: UpstreamCache = field(default_factory=UpstreamCache, init=False, repr=False)
 
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def item(self, index: int) -> Item:
-        return Item(index=index, fields=dict(self.records[index]))
-
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
-        upstream = self._upstreams(pool)
-
-        async def episode(index: int) -> tuple[CapturedEpisode, EpisodeResult]:
-            params = episode_sampling(sampling, index)
-            capture = EpisodeCapture(upstream, episode_id=str(index), defaults=params.body(),
-                                     policy_version=policy_version)
-            try:
-                trajectory = await self.make_collector().arun_episode(
-                    ArealLLMClient(capture), self.gconfig(params),
-                    env_option=dict(item.fields), seed=item.index)
-            finally:
-                captured = capture.close()
+        async def play(capture: EpisodeCapture, params: SamplingParams) -> EpisodeResult:
+            trajectory = await self.make_collector().arun_episode(
+                ArealLLMClient(capture), self.gconfig(params),
+                env_option=dict(item.fields), seed=item.index)
             stats = getattr(trajectory, "stats", None)
             reward = getattr(stats, "total_reward", None)
             metadata = {"episode_length": int(getattr(stats, "episode_length", 0) or 0)}
-            return captured, EpisodeResult(None if reward is None else float(reward), metadata)
+            return EpisodeResult(None if reward is None else float(reward), metadata)
 
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(episode(index)) for index in range(group_size)]
-        return build_rollout([task.result() for task in tasks], item)
+        return await captured_group(self._upstreams(pool), item, play, group_size=group_size,
+                                    sampling=sampling, policy_version=policy_version)
 
 
 class _ArealWorkflowResult:

@@ -15,7 +15,7 @@ one), so every token of a request carries the version read just before sending i
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -72,6 +72,20 @@ class Env(Protocol):
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout: ...
+
+
+class RecordItems:
+    """``len(env)`` and ``item(index)`` of an env over ``records`` (JSON objects): item ``i``
+    is a copy of ``records[i]``. The dataset, record-episode, gateway-episode and AReaL
+    collector envs all address their items this way."""
+
+    records: Sequence[Mapping[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def item(self, index: int) -> Item:
+        return Item(index=index, fields=dict(self.records[index]))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from producers.envs.base import Item, PolicyVersion, Rollout
+from producers.envs.base import Item, PolicyVersion, RecordItems, Rollout
 from producers.inference import InferencePool, MessageDict, SamplingParams
 from schemas import ConfigError, ContractError
 
@@ -136,7 +136,7 @@ class PromptStyle:
 
 
 @dataclass
-class DatasetEnv:
+class DatasetEnv(RecordItems):
     """A single-turn env over in-memory records (see the module docstring)."""
 
     name: str
@@ -150,12 +150,6 @@ class DatasetEnv:
         missing = {self.format.question_field, self.format.solution_field} - set(self.records[0])
         if missing:
             raise ConfigError(f"env {self.name!r}: records lack fields {sorted(missing)}")
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def item(self, index: int) -> Item:
-        return Item(index=index, fields=dict(self.records[index]))
 
     def prompt(self, item: Item) -> str | list[MessageDict]:
         """The prompt text (completion mode) or messages (chat mode) of an item."""

@@ -33,7 +33,7 @@ worker's failure taxonomy as is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from producers.envs.base import (
     EpisodeWorkflow,
     Item,
     PolicyVersion,
+    RecordItems,
     Rollout,
 )
 from producers.inference import InferencePool, SamplingParams
@@ -75,6 +76,33 @@ def episode_sampling(sampling: SamplingParams, episode: int) -> SamplingParams:
     if sampling.seed is None:
         return sampling
     return sampling.model_copy(update={"seed": sampling.seed + episode})
+
+
+EpisodePlay = Callable[[EpisodeCapture, SamplingParams], Awaitable[EpisodeResult]]
+"""Plays one episode against its capture, with the episode's sampling."""
+
+
+async def captured_group(upstream: Upstream, item: Item, play: EpisodePlay, *,
+                         group_size: int, sampling: SamplingParams,
+                         policy_version: PolicyVersion,
+                         tool_parser: str | None = "hermes") -> Rollout:
+    """``group_size`` episodes of ``item`` run concurrently, each ``play``ed against its own
+    ``EpisodeCapture`` on ``upstream`` (episode ``j`` with ``episode_sampling(sampling, j)``),
+    as one group (``build_rollout``). The capture is closed whether the episode ends or
+    raises."""
+    async def episode(index: int) -> tuple[CapturedEpisode, EpisodeResult]:
+        params = episode_sampling(sampling, index)
+        capture = EpisodeCapture(upstream, episode_id=str(index), defaults=params.body(),
+                                 policy_version=policy_version, tool_parser=tool_parser)
+        try:
+            result = await play(capture, params)
+        finally:
+            captured = capture.close()
+        return captured, result
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(episode(index)) for index in range(group_size)]
+    return build_rollout([task.result() for task in tasks], item)
 
 
 class UpstreamCache:
@@ -111,27 +139,17 @@ class ClientEpisodeEnv:
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
-        upstream = self._upstreams(pool)
+        async def play(capture: EpisodeCapture, params: SamplingParams) -> EpisodeResult:
+            return as_result(await self.env.run_episode(EpisodeClient(capture), item,
+                                                        sampling=params))
 
-        async def episode(index: int) -> tuple[CapturedEpisode, EpisodeResult]:
-            params = episode_sampling(sampling, index)
-            capture = EpisodeCapture(upstream, episode_id=str(index), defaults=params.body(),
-                                     policy_version=policy_version,
-                                     tool_parser=self.tool_parser)
-            try:
-                value = await self.env.run_episode(EpisodeClient(capture), item,
-                                                   sampling=params)
-            finally:
-                captured = capture.close()
-            return captured, as_result(value)
-
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(episode(index)) for index in range(group_size)]
-        return build_rollout([task.result() for task in tasks], item)
+        return await captured_group(self._upstreams(pool), item, play, group_size=group_size,
+                                    sampling=sampling, policy_version=policy_version,
+                                    tool_parser=self.tool_parser)
 
 
 @dataclass
-class GatewayEpisodeEnv:
+class GatewayEpisodeEnv(RecordItems):
     """An ``Env`` of an ``EpisodeWorkflow`` over a dataset (module docstring).
 
     - ``records``: the dataset; item ``i`` is ``records[i]`` (a JSON object).
@@ -148,12 +166,6 @@ class GatewayEpisodeEnv:
     tool_parser: str | None = "hermes"
     _upstreams: UpstreamCache = field(default_factory=UpstreamCache, init=False, repr=False)
     _local: dict[int, LocalGateway] = field(default_factory=dict, init=False, repr=False)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def item(self, index: int) -> Item:
-        return Item(index=index, fields=dict(self.records[index]))
 
     def _gateway(self, pool: InferencePool) -> EpisodeGateway:
         if self.gateway is not None:

@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from producers.envs.base import Item, PolicyVersion, Rollout
+from producers.envs.base import Item, PolicyVersion, RecordItems, Rollout
 from producers.envs.observations import (
     ChatTemplateDelta,
     Observation,
@@ -247,7 +247,7 @@ class EpisodeEnv:
 
 
 @dataclass
-class RecordEpisodeEnv:
+class RecordEpisodeEnv(RecordItems):
     """An ``Env`` of multi-turn episodes over a dataset: item ``i`` is ``records[i]``.
 
     ``make_env(record)`` builds a fresh ``MultiTurnEnv`` per episode from the item's row
@@ -258,12 +258,6 @@ class RecordEpisodeEnv:
     records: Sequence[dict[str, Any]]
     make_env: Callable[[dict[str, Any]], MultiTurnEnv]
     runner: EpisodeRunner = field(default_factory=EpisodeRunner)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def item(self, index: int) -> Item:
-        return Item(index=index, fields=dict(self.records[index]))
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
