@@ -91,16 +91,22 @@ def _set_array(fields: Fields, name: bytes, dtype: str, rng: Rng, value: Any) ->
     return {**fields, name: array.tobytes()}
 
 
-def _meta(fields: Fields, change: Callable[[dict[str, Any]], None],
-          literals: dict[str, bytes] | None = None) -> Fields:
-    """``fields`` with its meta JSON changed; ``literals`` replaces quoted placeholders by
-    raw JSON tokens (NaN, 1e999) that no JSON writer emits."""
-    meta = orjson.loads(fields[b"meta"])
+def _json_field(fields: Fields, name: bytes, change: Callable[[dict[str, Any]], None],
+                literals: dict[str, bytes] | None = None) -> Fields:
+    """``fields`` with the JSON of field ``name`` changed; ``literals`` replaces quoted
+    placeholders by raw JSON tokens (NaN, 1e999) that no JSON writer emits."""
+    meta = orjson.loads(fields[name])
     change(meta)
     raw = orjson.dumps(meta)
     for placeholder, token in (literals or {}).items():
         raw = raw.replace(orjson.dumps(placeholder), token)
-    return {**fields, b"meta": raw}
+    return {**fields, name: raw}
+
+
+def _meta(fields: Fields, change: Callable[[dict[str, Any]], None],
+          literals: dict[str, bytes] | None = None) -> Fields:
+    """``fields`` with its meta JSON changed (``_json_field``)."""
+    return _json_field(fields, b"meta", change, literals)
 
 
 def _non_finite_token(rng: Rng) -> bytes:
@@ -222,12 +228,7 @@ ScoredKind = Callable[[Rng, Fields, Fields, str], Fields]
 
 def _score_meta(fields: Fields, change: Callable[[dict[str, Any]], None],
                 literals: dict[str, bytes] | None = None) -> Fields:
-    meta = orjson.loads(fields[b"score_meta"])
-    change(meta)
-    raw = orjson.dumps(meta)
-    for placeholder, token in (literals or {}).items():
-        raw = raw.replace(orjson.dumps(placeholder), token)
-    return {**fields, b"score_meta": raw}
+    return _json_field(fields, b"score_meta", change, literals)
 
 
 def _per_token(inline: Fields) -> int:
