@@ -21,6 +21,7 @@ from schemas import decode_trajectory
 from schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
 from tests.integration.recording import RecordingTransport
 from tests.redis_server import RedisServer
+from tests.waiting import until
 
 pytestmark = pytest.mark.vllm
 RUN = "itest"
@@ -117,12 +118,7 @@ async def test_killed_worker_job_is_rerun_with_the_same_group_id(
         "--max-tokens", "400", env={**env, "ROLLQ_JOB_TIMEOUT_S": "3"},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     in_progress = f"arq:in-progress:{job_id(RUN, 'gsm8k', 7)}"
-    for _ in range(300):
-        if await real_redis.exists(in_progress):
-            break
-        await asyncio.sleep(0.05)
-    else:
-        pytest.fail("the worker never started the job")
+    await until(lambda: real_redis.exists(in_progress), "the worker to start the job")
     process.send_signal(signal.SIGKILL)  # dies mid-generation, job unacknowledged
     await process.wait()
     assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == 0

@@ -18,6 +18,7 @@ from producers.publisher import Publisher
 from producers.worker import connect_queue, enqueue_rollout, job_id
 from schemas.keys import stream_key
 from tests.redis_server import RedisServer
+from tests.waiting import until
 
 RUN = "signals"
 
@@ -61,12 +62,7 @@ async def test_busy_workers_finish_the_job_in_hand_then_exit_0(
     process = await start_workers(redis_server.url, inference,
                                   "tests.producers.slow_env:SlowEnv")
     in_progress = f"arq:in-progress:{job_id(RUN, 'gsm8k', 3)}"
-    for _ in range(400):
-        if await real_redis.exists(in_progress):
-            break
-        await asyncio.sleep(0.05)
-    else:
-        pytest.fail("the worker never started the job")
+    await until(lambda: real_redis.exists(in_progress), "the worker to start the job")
     process.send_signal(signal.SIGTERM)  # mid-job: the 2 s rollout is under way
     code = await asyncio.wait_for(process.wait(), 40)
     assert code == 0
