@@ -20,8 +20,8 @@ What happens to an entry, by what the transform does:
     the dead stream with the verdict's reason and detail, and counted.
 
 A transform may take a whole read at once: when the transform object has a
-``batch_transform`` attribute that is not None (e.g. a scorer whose rewards are scoped to
-the batch), each read is handed to it in one call, and it returns one result per delivery
+``batch_transform`` attribute that is not None (the scorer has one: it scores a read's
+groups in one call), each read is handed to it in one call, and it returns one result per delivery
 (an outcome, or the exception that delivery failed with); each result is then forwarded,
 dropped, left pending or dead-lettered on its own.
 """
