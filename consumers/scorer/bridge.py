@@ -130,12 +130,6 @@ class RewardBridge:
     def _placement(self, entry: ComponentEntry, component: RewardComponent[Any]) -> str:
         return entry.run_in or component.placement
 
-    @property
-    def batch_scoped(self) -> bool:
-        """True when some component's population is the whole `score_batch` call (`scope:
-        batch`): groups scored one by one would then see a different population."""
-        return any(component.population == "batch" for _, component in self._components)
-
     async def __aenter__(self) -> RewardBridge:
         pooled = [c for e, c in self._components if self._placement(e, c) == "process"]
         try:

@@ -159,15 +159,12 @@ class Scorer:
                 for group, score in zip(groups, scores, strict=True)]
 
     async def __call__(self, delivery: Delivery) -> Outcome:
-        group = decode_trajectory(delivery.fields)
-        result = self.entry(group, await self.bridge.score_group(self.samples(group)),
-                            delivery.entry_id)
-        if isinstance(result, str):
-            return Drop(result)
-        fields, flags = result
-        if flags:
-            await self._count_flags([(delivery, flags)])
-        return Forward(fields)
+        """One delivery on its own: ``transform_batch`` of a read of one (its failure
+        raised)."""
+        [result] = await self.transform_batch([delivery])
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     async def transform_batch(self, deliveries: Sequence[Delivery]) -> list[Outcome | Exception]:
         """Score a read's groups together; one result per delivery (see ``Stage``)."""

@@ -470,6 +470,7 @@ class TrainerClient:
         log.warning("entry_dead_lettered", stream=delivery.stream, entry_id=delivery.entry_id,
                     reason=verdict.reason, detail=verdict.detail, lettered=lettered)
 
+
 def _tokens(group: ScoredGroup) -> int:
     prompt = len(group.trajectory.prompt_ids)
     return sum(prompt + len(c.completion_ids) for c in group.trajectory.completions)
