@@ -64,7 +64,11 @@ def test_sums_accuracy_rises_from_chance_through_rollq(
     assert curves["train_accuracy_first"] < CHANCE + 0.1, curves["evals"]
     assert curves["train_accuracy_final"] >= CHANCE + MARGIN, curves["evals"]
     assert min(curves["evals"]["train_format"]) >= 0.95
-    assert curves["format_min"] >= 0.85  # sampled at temperature 1
+    # The sampled batch (temperature 1) keeps the format: judged over windows of 10 steps
+    # (1,280 completions), not per step. Single steps dip by chance: the README's learning
+    # runs have steps at 0.73 and 0.84, and a CI run of this test had one at 0.77 while
+    # every evaluation was in format. A format collapse drags a whole window down.
+    assert curves["format_min_10"] >= 0.9, curves["steps"]["format"]
     assert result.plot is not None and result.plot.stat().st_size > 0
     assert max(step["staleness"] for step in result.steps) <= 1
 
