@@ -8,6 +8,8 @@ the imports run one way: ``ops.cli`` -> command modules -> ``ops.invocation``.
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from collections.abc import Callable, Coroutine, Mapping
 from enum import IntEnum
 from pathlib import Path
@@ -78,3 +80,33 @@ def redis_client(settings: CommonSettings) -> aioredis.Redis:
     from ops.connections import open_redis
 
     return open_redis(settings)
+
+
+async def serve_http(app: Any, host: str, port: int) -> int:
+    """Serve the ASGI ``app`` with uvicorn until SIGTERM or SIGINT; ``Exit.OK`` once it has
+    stopped gracefully.
+
+    uvicorn stops on those signals, then raises the signal again for whatever handler was
+    set before it started, which by default ends the process by the signal (status -15).
+    Here that handler does nothing, so ``rollq gateway`` and ``rollq atropos-api`` exit 0
+    when told to stop, like every other rollq role.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
+                                           access_log=False, lifespan="on"))
+    if threading.current_thread() is not threading.main_thread():  # no signals off it
+        await server.serve()
+        return Exit.OK
+    previous = {sig: signal.signal(sig, _already_stopped)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        await server.serve()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return Exit.OK
+
+
+def _already_stopped(sig: int, frame: Any) -> None:
+    """What uvicorn's re-raised stop signal reaches: the server has already stopped."""

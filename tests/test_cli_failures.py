@@ -99,7 +99,11 @@ def test_a_bad_reward_config_names_the_field(redis_server: RedisServer, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize(("command", "started"), [
     (["score"], b"scorer_started"), (["feed", "--epochs", "1000"], b"feeder_started"),
-    (["status", "--watch", "0.2"], b"run sig:")], ids=["score", "feed", "status"])
+    (["status", "--watch", "0.2"], b"run sig:"),
+    (["atropos-api", "--port", "0"], b"atropos_api_started"),
+    (["gateway", "--port", "0", "--model", "m", "--inference", "http://127.0.0.1:1"],
+     b"gateway_started")],
+    ids=["score", "feed", "status", "atropos-api", "gateway"])
 async def test_roles_stop_on_sigterm_and_exit_0(command: list[str], started: bytes,
                                                 redis_server: RedisServer,
                                                 real_redis: aioredis.Redis) -> None:

@@ -1,11 +1,11 @@
-"""``rollq atropos-api``: flags and the handler (uvicorn appears here and nowhere else)."""
+"""``rollq atropos-api``: flags and the handler (served by ``ops.invocation.serve_http``)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
 
-from ops.invocation import Exit, settings_for
+from ops.invocation import serve_http, settings_for
 
 HELP = ("serve the Atropos trajectory API (atroposlib 0.4.0's paths and shapes) on the run's "
         "streams: envs in `serve` mode post here, Atropos trainers poll /batch; durable")
@@ -26,8 +26,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    import uvicorn
-
     from ops.atropos.app import create_app
     from ops.settings import AtroposApiSettings
 
@@ -35,7 +33,4 @@ async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> i
         AtroposApiSettings, args, environ, host=args.host, port=args.port,
         rewards=args.rewards, consumer_group=args.consumer_group,
         inference=args.inference.split(",") if args.inference else None, model=args.model)
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_config=None, access_log=False, lifespan="on")
-    await uvicorn.Server(config).serve()
-    return Exit.OK
+    return await serve_http(create_app(settings), settings.host, settings.port)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
@@ -24,6 +25,8 @@ from ops.role_metrics import add_metrics_route, gateway_metrics
 from producers.inference import InferencePool
 from producers.inference.capture import CaptureHub, Upstream
 from producers.inference.capture.render import LocalTemplate
+
+log = structlog.get_logger("rollq.gateway")
 
 if TYPE_CHECKING:
     from ops.metrics import RoleMetrics
@@ -46,6 +49,9 @@ def create_app(settings: GatewaySettings, *,
                              continuation_check=settings.continuation_check)
             app.state.hub = hub
             sweeper = asyncio.create_task(_expire(hub, min(60.0, settings.episode_ttl_s)))
+            log.info("gateway_started", inference=list(settings.inference),
+                     local_render=template is not None,
+                     event_loop=type(asyncio.get_running_loop()).__module__.partition(".")[0])
             try:
                 yield
             finally:
