@@ -15,8 +15,6 @@ message, ``max_tokens`` tokens per call (``ignore_eos``). Variants:
   /episodes``), run on its own base URL, and closed (the captured sequences come back);
 - ``gateway/tokenize``: the same without the tokenizer (every render a ``/tokenize``
   request, two per continuation: a gateway without ``transformers`` or ``--tokenizer``);
-- ``gateway/asyncio``: the ``gateway`` variant on asyncio's own event loop
-  (``--loop asyncio``): what uvloop, the default where installed, buys;
 - ``direct+lp``: straight to vLLM, asking the logprobs and token ids the gateway forces,
   which separates what capture asks of vLLM from the gateway's own cost.
 
@@ -192,11 +190,9 @@ def start_gateway(vllm_url: str, port: int, log: Path, *, render: list[str],
     raise SystemExit(f"gateway did not start:\n{log.read_text()[-2000:]}")
 
 
-VARIANTS = ("direct", "direct+lp", "gateway", "gateway/tokenize", "gateway/asyncio")
-GATEWAYS = {"gateway": (True, []), "gateway/tokenize": (False, []),
-            "gateway/asyncio": (True, ["--loop", "asyncio"])}
-"""Each gateway variant: whether it renders chat continuations itself (``--tokenizer``;
-else every render is a ``/tokenize`` request to vLLM), and its other flags."""
+VARIANTS = ("direct", "direct+lp", "gateway", "gateway/tokenize")
+"""``gateway``: rendering chat continuations itself (``--tokenizer``); ``gateway/tokenize``:
+the same gateway without the tokenizer, every render a ``/tokenize`` request to vLLM."""
 
 
 async def measure(vllm_url: str, gateways: dict[str, str], args: argparse.Namespace,
@@ -281,9 +277,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
         try:
             gateways: dict[str, str] = {}
             pids = {"vllm": vllm.process.pid}
-            for name, (local, flags) in GATEWAYS.items():
-                render = flags + (["--tokenizer", str(model), "--chat-template",
-                                   str(directory / "template.jinja")] if local else [])
+            for name in ("gateway", "gateway/tokenize"):
+                render = [] if name.endswith("/tokenize") else [
+                    "--tokenizer", str(model), "--chat-template",
+                    str(directory / "template.jinja")]
                 process, gateways[name] = start_gateway(
                     vllm.url, free_port(), directory / f"{name.replace('/', '-')}.log",
                     render=render, profile=args.profile_gateway if name == "gateway" else None)
@@ -318,9 +315,6 @@ def report(results: dict[str, list[Run]]) -> None:
         results["direct"], results["gateway/tokenize"], strict=True))
     print(f"gateway/tokenize / direct (no --tokenizer: every render a /tokenize request): "
           f"{tokenize:.2f}")
-    stock = median_of(g.tokens_per_s / d.tokens_per_s for d, g in zip(
-        results["direct"], results["gateway/asyncio"], strict=True))
-    print(f"gateway/asyncio / direct (asyncio's own loop, not uvloop): {stock:.2f}")
     for name, runs in results.items():
         cpu = {role: median_of(run.cpu[role] / len(run.latencies) for run in runs)
                for role in runs[0].cpu}

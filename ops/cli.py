@@ -47,22 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _runner(args: argparse.Namespace) -> asyncio.Runner:
-    """The event loop a command runs on: asyncio's own, unless the command has a ``--loop``
-    flag (``auto``: uvloop where it is installed; ``uvloop``: uvloop or a usage error)."""
-    loop = getattr(args, "loop", "asyncio")
-    if loop == "asyncio":
-        return asyncio.Runner()
-    try:
-        import uvloop
-    except ImportError:
-        if loop == "uvloop":
-            raise ConfigError("--loop uvloop: uvloop is not installed "
-                              "(pip install 'rollq[gateway]')") from None
-        return asyncio.Runner()
-    return asyncio.Runner(loop_factory=uvloop.new_event_loop)
-
-
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Run ``rollq`` with ``argv``; returns the exit code.
 
@@ -74,8 +58,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     environ = os.environ if environ is None else environ
     handler: Handler = args.handler
     try:
-        with _runner(args) as runner:
-            return runner.run(handler(args, environ))
+        return asyncio.run(handler(args, environ))
     except KeyboardInterrupt:
         return Exit.INTERRUPTED
     except Exception as exc:  # the CLI edge: every failure becomes a line and an exit code

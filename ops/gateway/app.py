@@ -50,8 +50,7 @@ def create_app(settings: GatewaySettings, *,
             app.state.hub = hub
             sweeper = asyncio.create_task(_expire(hub, min(60.0, settings.episode_ttl_s)))
             log.info("gateway_started", inference=list(settings.inference),
-                     local_render=template is not None,
-                     event_loop=type(asyncio.get_running_loop()).__module__.partition(".")[0])
+                     local_render=template is not None)
             try:
                 yield
             finally:

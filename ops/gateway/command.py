@@ -31,9 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="check a chat continuation for re-tokenisation before sending it "
                         "(two /tokenize renders) or after (no extra request unless it "
                         "drifted: then the reply is discarded and resent token-in) [before]")
-    parser.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
-                        help="event loop: uvloop (the 'gateway' extra) cuts the gateway's CPU "
-                        "per call; auto uses it when installed [auto]")
 
 
 async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:

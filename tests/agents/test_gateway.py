@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from ops.cli import Exit, build_parser, main
+from ops.cli import build_parser
 from ops.gateway.app import create_app
 from ops.gateway.settings import GatewaySettings
 from producers.envs.base import EpisodeResult, Item
@@ -197,31 +197,26 @@ async def test_idle_episodes_expire() -> None:
 
 def test_rollq_gateway_is_a_command() -> None:
     args = build_parser().parse_args(["gateway", "--port", "0", "--inference", "http://a:1"])
-    assert args.inference == ["http://a:1"] and args.port == 0 and args.loop == "auto"
+    assert args.inference == ["http://a:1"] and args.port == 0
 
 
 ROLLQ = [sys.executable, "-c", "from ops.cli import main; raise SystemExit(main())"]
 
 
-@pytest.mark.parametrize("loop", ["auto", "asyncio"])
-async def test_rollq_gateway_process_captures_an_unmodified_agent(loop: str) -> None:
-    """``rollq gateway`` as users start it: a process in front of a vLLM on a real port, on
-    the event loop ``--loop`` picks (``auto``: uvloop, installed with the ``gateway``
-    extra); an unmodified ``openai`` agent is captured per episode; SIGTERM ends it, exit 0."""
-    expected = "uvloop" if loop == "auto" else "asyncio"
-    if expected == "uvloop":
-        pytest.importorskip("uvloop")
+async def test_rollq_gateway_process_captures_an_unmodified_agent() -> None:
+    """``rollq gateway`` as users start it: a process in front of a vLLM on a real port; an
+    unmodified ``openai`` agent is captured per episode; SIGTERM ends it with exit 0."""
     fake = AgentFakeVLLM()
     fake.script = tool_script(compact=True)
     port = free_port()
     async with serve_fake(fake) as upstream:
         process = await asyncio.create_subprocess_exec(
             *ROLLQ, "gateway", "--port", str(port), "--inference", upstream,
-            "--model", "rollq-tiny", "--loop", loop, "--log-format", "json",
+            "--model", "rollq-tiny", "--log-format", "json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
-                health = await _until_up(http, process)
+                await _until_up(http, process)
                 episode_id = await open_episode(http)
                 async with openai.AsyncOpenAI(
                         base_url=f"http://127.0.0.1:{port}/episodes/{episode_id}/v1",
@@ -233,7 +228,6 @@ async def test_rollq_gateway_process_captures_an_unmodified_agent(loop: str) -> 
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
             output, _ = await asyncio.wait_for(process.communicate(), 30)
-    assert health["event_loop"] == expected
     assert reward == 1.0 and closed.stats.calls == 3 and len(closed.sequences) == 1
     rollout = build_rollout([(closed, EpisodeResult())], Item(0, {}))
     kept = kept_replies(rollout.completions, list(rollout.prompt_ids), fake.replies)
@@ -256,13 +250,6 @@ async def _until_up(http: httpx.AsyncClient, process: asyncio.subprocess.Process
             await asyncio.sleep(0.1)
     output = await process.stdout.read() if process.stdout else b""
     raise AssertionError(f"rollq gateway exited {process.returncode}: {output.decode()[-2000:]}")
-
-
-def test_loop_uvloop_without_uvloop_is_a_config_error(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # import uvloop raises ImportError
-    assert main(["gateway", "--loop", "uvloop", "--port", str(free_port())]) == Exit.CONFIG
-    assert "pip install 'rollq[gateway]'" in capsys.readouterr().err
 
 
 async def test_workflow_through_the_in_process_gateway_on_real_workers(

@@ -12,8 +12,7 @@ same code serves the HTTP gateway (``ops.gateway``) and the in-process transport
 - ``POST /v1/chat/completions`` and ``/v1/completions``: the same proxy, uncaptured;
 - ``GET /health``: the open episodes, and how chat renders were made (``local``: by the
   gateway's own template, ``server``: ``/tokenize``, ``mismatches``: local renders that
-  differed from the server's, ``capture.render``) and the event loop it runs on
-  (``event_loop``: ``uvloop`` or ``asyncio``).
+  differed from the server's, ``capture.render``).
 
 With ``"stream": true`` the reply is sent as server-sent events: the whole reply in one
 content chunk (and one tool-call chunk), then the finish chunk, the usage chunk when
@@ -31,7 +30,6 @@ does not leak memory.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -155,12 +153,10 @@ class CaptureHub:
         parts = path.strip("/").split("/")
         if method == "GET" and path == "/health":
             upstream = self.upstream
-            loop = type(asyncio.get_running_loop()).__module__.partition(".")[0]
             return GatewayReply(body={"status": "ok", "episodes": len(self.episodes),
                                       "renders": {"local": upstream.local_renders,
                                                   "server": upstream.server_renders,
-                                                  "mismatches": upstream.render_mismatches},
-                                      "event_loop": loop})
+                                                  "mismatches": upstream.render_mismatches}})
         if parts[0] == "episodes":
             if method == "POST" and len(parts) == 1:
                 capture = self.open(body.get("episode_id"), defaults=body.get("defaults"))
