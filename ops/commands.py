@@ -96,6 +96,7 @@ def _tail_args(parser: argparse.ArgumentParser) -> None:
 
 async def tail(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from consumers.bus import follow
+    from ops.roles import stop_on_signals
 
     settings: CommonSettings = settings_for(CommonSettings, args, environ)
     redis = redis_client(settings)
@@ -108,7 +109,7 @@ async def tail(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         handle: Callable[[str, str, Any], Awaitable[None]] = printer(  # type: ignore[assignment]
             lambda text: print(text, flush=True), args.width, redis)
         await follow(redis, keys, handle, start="0-0" if args.from_start else "$",
-                     limit=args.count)
+                     limit=args.count, stop=stop_on_signals())  # SIGINT/SIGTERM: exit 0
         return Exit.OK
     finally:
         await redis.aclose()

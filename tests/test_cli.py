@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 
@@ -91,6 +92,24 @@ async def test_tail_follows_new_entries(real_redis: aioredis.Redis,
     out, _ = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0
     assert "group=fresh" in out.decode() and "group=g0" not in out.decode()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+async def test_tail_stops_on_a_signal_and_exits_0(sig: signal.Signals,
+                                                  real_redis: aioredis.Redis,
+                                                  redis_server: RedisServer) -> None:
+    await _populate(real_redis)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo",
+        "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
+
+    async def following() -> bool:  # its loop runs, signal handlers installed before
+        return any(c.get("cmd") == "xread" for c in await real_redis.client_list())
+
+    await until(following, "rollq tail to start following")
+    process.send_signal(sig)
+    await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0
 
 
 @pytest.mark.parametrize("command", [["status"], ["tail", "traj"]])
