@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from enum import IntEnum
@@ -20,6 +21,7 @@ import structlog
 
 from ops.logging import configure_logging
 from ops.settings import CommonSettings, load_settings
+from schemas import ConfigError
 
 
 class Exit(IntEnum):
@@ -83,29 +85,54 @@ def redis_client(settings: CommonSettings) -> aioredis.Redis:
 
 
 async def serve_http(app: Any, host: str, port: int) -> int:
-    """Serve the ASGI ``app`` with uvicorn until SIGTERM or SIGINT; ``Exit.OK`` once it has
-    stopped gracefully.
+    """Serve the FastAPI ``app`` with uvicorn until SIGTERM or SIGINT; ``Exit.OK`` once it
+    has stopped gracefully.
 
-    uvicorn stops on those signals, then raises the signal again for whatever handler was
-    set before it started, which by default ends the process by the signal (status -15).
-    Here that handler does nothing, so ``rollq gateway`` and ``rollq atropos-api`` exit 0
-    when told to stop, like every other rollq role.
+    Failures to start reach the CLI's error mapping like every other command's, not
+    uvicorn's own exit (status 3, the code rollq uses for "not found"): the port is bound
+    here first (in use: ``ConfigError``), and the app's lifespan runs here around uvicorn
+    (Redis down: ``BrokerUnavailable``, exit 69; a bad setting: ``ConfigError``, exit 78).
+    uvicorn stops on the signals, then raises the signal again for whatever handler was set
+    before it started, which by default ends the process by the signal (status 143): here
+    that handler does nothing, so the command exits 0 when told to stop, like every rollq
+    role.
     """
     import uvicorn
 
+    listener = _listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
-                                           access_log=False, lifespan="on"))
-    if threading.current_thread() is not threading.main_thread():  # no signals off it
-        await server.serve()
-        return Exit.OK
-    previous = {sig: signal.signal(sig, _already_stopped)
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                                           access_log=False, lifespan="off"))
     try:
-        await server.serve()
+        async with app.router.lifespan_context(app):
+            if threading.current_thread() is not threading.main_thread():  # no signals
+                await server.serve(sockets=[listener])
+                return Exit.OK
+            previous = {sig: signal.signal(sig, _already_stopped)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                await server.serve(sockets=[listener])
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        listener.close()
     return Exit.OK
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``; ``ConfigError`` naming it when it cannot be
+    had (in use, no such interface, a privileged port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(2048)
+    except OSError as exc:
+        listener.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (set "
+                          "another --port or --host)") from None
+    return listener
 
 
 def _already_stopped(sig: int, frame: Any) -> None:

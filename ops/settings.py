@@ -18,11 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_origin
+from typing import Annotated, Any, Literal, TypeVar, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from consumers.bus import ReaderSettings
 from schemas import ConfigError
@@ -92,6 +99,21 @@ class CommonSettings(BaseModel):
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
+def check_inference_urls(urls: list[str]) -> list[str]:
+    """ValueError unless every URL is an http(s) base URL with a host."""
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{redact_url(url)!r} is not an inference server's base URL: it "
+                             "must be http://HOST:PORT or https://... (e.g. "
+                             "http://127.0.0.1:8000)")
+    return urls
+
+
+InferenceUrls = Annotated[list[str], AfterValidator(check_inference_urls)]
+"""vLLM base URLs, checked when the settings are built, not at the first request."""
+
+
 def redact_url(url: str) -> str:
     """``url`` with its password replaced by ``***``: safe for logs and error messages."""
     parts = urlsplit(url)
@@ -150,7 +172,7 @@ class WorkerSettings(CommonSettings):
     """Env name (``gsm8k``, ``math``, ``guess``) or ``module:attribute`` of your own."""
     env_options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the env (e.g. ``source``, a dataset file)."""
-    inference: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    inference: InferenceUrls = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """vLLM base URLs (comma-separated in the environment)."""
     model: str = ""
     """Model name the servers serve; empty: asked from ``/v1/models``."""
@@ -255,7 +277,7 @@ class AtroposApiSettings(CommonSettings):
     a 5xx or a timeout). 0: off."""
     lock_timeout_s: float = Field(default=30.0, gt=0)
     """Longest wait for, and hold of, the lock that serialises batch assembly."""
-    inference: list[str] = Field(default_factory=list)
+    inference: InferenceUrls = Field(default_factory=list)
     """vLLM base URLs served to Atropos envs under ``/inference`` (atroposlib's ``vllm``
     server type: ``/generate`` with the server's token ids; ``ops.atropos.inference``).
     Empty: no inference routes."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -25,7 +26,11 @@ COMMANDS = {
     "rescore": ["rescore", "--reward-config", "REWARD", "--into", "other"],
     "dead": ["dead", "list"],
     "runs": ["runs", "list"],
+    "atropos-api": ["atropos-api", "--port", "0"],
 }
+
+
+NOT_A_BASE_URL = "is not an inference server's base URL"
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str],
@@ -72,8 +77,16 @@ def test_bad_settings_are_exit_78_naming_the_field(command: str, flags: list[str
     (["feed", "--env-option", "oops"], "expected KEY=VALUE"),
     (["score", "--burst", "--reward-config", "/nonexistent.yaml"], "nonexistent.yaml"),
     (["rescore", "--reward-config", "R", "--into", "bad name"], "run name 'bad name'"),
+    (["workers", "--burst", "--inference", "127.0.0.1:8000"], NOT_A_BASE_URL),
+    (["atropos-api", "--port", "0", "--inference", "ftp://vllm"], NOT_A_BASE_URL),
+    (["gateway", "--port", "0", "--inference", "vllm:8000"], NOT_A_BASE_URL),
+    (["gateway", "--port", "0", "--tokenizer", "/nonexistent/tokenizer"],
+     "tokenizer '/nonexistent/tokenizer' cannot be loaded"),
+    (["gateway", "--port", "0", "--tokenizer", "t", "--chat-template", "/nonexistent.jinja"],
+     "chat template '/nonexistent.jinja': no such file"),
 ], ids=["unknown-env", "missing-dataset", "bad-env-option", "missing-reward-config",
-        "bad-into-run"])
+        "bad-into-run", "workers-inference-url", "atropos-inference-url",
+        "gateway-inference-url", "missing-tokenizer", "missing-chat-template"])
 def test_bad_arguments_are_one_line_and_exit_78(argv: list[str], needle: str,
                                                 redis_server: RedisServer, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +96,19 @@ def test_bad_arguments_are_one_line_and_exit_78(argv: list[str], needle: str,
     code, err = run_main([*argv, "--redis-url", redis_server.url], capsys)
     assert code == Exit.CONFIG, err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["gateway", "atropos-api"])
+def test_a_port_in_use_is_one_line_and_exit_78(command: str, redis_server: RedisServer,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_main([command, "--port", str(port), "--redis-url", redis_server.url],
+                             capsys)
+    assert code == Exit.CONFIG, err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_bad_reward_config_names_the_field(redis_server: RedisServer, tmp_path: Path,

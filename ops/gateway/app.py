@@ -38,11 +38,11 @@ def create_app(settings: GatewaySettings, *,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        template = (LocalTemplate.load(settings.tokenizer, settings.chat_template)
+                    if settings.tokenizer else None)  # a bad path fails before any request
         async with InferencePool(settings.inference, model=settings.model,
                                  timeout_s=settings.request_timeout_s,
                                  max_retries=settings.max_retries, transport=transport) as pool:
-            template = (LocalTemplate.load(settings.tokenizer, settings.chat_template)
-                        if settings.tokenizer else None)
             hub = CaptureHub(Upstream(pool, template=template),
                              episode_ttl_s=settings.episode_ttl_s,
                              tool_parser=settings.tool_parser,

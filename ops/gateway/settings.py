@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ops.settings import CommonSettings
+from ops.settings import CommonSettings, InferenceUrls
 
 
 class GatewaySettings(CommonSettings):
@@ -15,7 +15,7 @@ class GatewaySettings(CommonSettings):
     section: str = Field(default="gateway", exclude=True, repr=False)
     host: str = "127.0.0.1"
     port: int = Field(default=8100, ge=0, le=65535)
-    inference: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
+    inference: InferenceUrls = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """vLLM base URLs (one model); balanced, health-checked, paused-aware like a worker's."""
     model: str | None = None
     """Served model name; None: asked from ``/v1/models``. Every request is sent with it."""

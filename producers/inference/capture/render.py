@@ -35,6 +35,8 @@ from typing import Any
 
 import structlog
 
+from schemas import ConfigError
+
 log = structlog.get_logger("rollq.capture")
 
 _ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -67,7 +69,8 @@ class LocalTemplate:
     def load(cls, tokenizer: str, chat_template: str | None = None) -> LocalTemplate | None:
         """The tokenizer at ``tokenizer`` (a local directory or hub id) with
         ``chat_template`` (a file or the template itself; None: the tokenizer's own), or
-        None when ``transformers`` is not installed."""
+        None when ``transformers`` is not installed. ``ConfigError`` when either cannot be
+        read."""
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -76,9 +79,15 @@ class LocalTemplate:
                         "render goes to the server's /tokenize")
             return None
         template = chat_template
-        if template is not None and "{" not in template and Path(template).is_file():
+        if template is not None and "{" not in template:  # a file name, not a template
+            if not Path(template).is_file():
+                raise ConfigError(f"chat template {template!r}: no such file (give the "
+                                  "template file the vLLM server was started with)")
             template = Path(template).read_text()
-        return cls(AutoTokenizer.from_pretrained(tokenizer), template)
+        try:
+            return cls(AutoTokenizer.from_pretrained(tokenizer), template)
+        except (OSError, ValueError) as exc:  # no such directory, not on the hub, offline
+            raise ConfigError(f"tokenizer {tokenizer!r} cannot be loaded: {exc}") from None
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                tools: Sequence[Mapping[str, Any]] | None = None,
