@@ -22,6 +22,8 @@ from ops.gateway.settings import GatewaySettings
 from producers.envs.base import EpisodeResult, Item
 from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv, build_rollout
 from producers.inference.capture import CapturedEpisode, RemoteGateway
+from schemas import InferenceUnavailable
+from schemas.failures import Kind, classify
 from tests.agents.agents import (
     CALCULATOR,
     QUESTIONS,
@@ -252,6 +254,20 @@ async def _until_up(http: httpx.AsyncClient, process: asyncio.subprocess.Process
     raise AssertionError(f"rollq gateway exited {process.returncode}: {output.decode()[-2000:]}")
 
 
+async def test_an_episode_lost_by_a_restarted_gateway_is_retried_not_dead_lettered() -> None:
+    """A ``rollq gateway`` restarted mid-episode (kill -9, a new deploy) has forgotten the
+    episode: closing it is a failure a new try recovers from, not a bad request."""
+    fake = AgentFakeVLLM()
+    port = free_port()
+    async with served_gateway(fake, port) as url:
+        gateway = RemoteGateway(url)
+        episode = await gateway.open(defaults={}, policy_version=None)
+    async with served_gateway(fake, port):  # the same address, a fresh process's memory
+        with pytest.raises(InferenceUnavailable, match="no longer has the episode") as caught:
+            await gateway.close(episode)
+    assert classify(caught.value).kind is Kind.TRANSIENT
+
+
 async def test_workflow_through_the_in_process_gateway_on_real_workers(
         redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
     fake = AgentFakeVLLM()
@@ -287,8 +303,8 @@ async def test_episode_api_agent_on_real_workers_reaches_the_trainer(
 
 
 @contextlib.asynccontextmanager
-async def served_gateway(fake: AgentFakeVLLM) -> AsyncIterator[str]:
-    port = free_port()
+async def served_gateway(fake: AgentFakeVLLM, port: int | None = None) -> AsyncIterator[str]:
+    port = port or free_port()
     app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny",
                                      port=port), transport=fake_transport(fake))
     async with serve_asgi(app, port) as url:

@@ -98,10 +98,15 @@ class RemoteGateway:
         return OpenEpisode(episode_id, f"{self.url}/episodes/{episode_id}/v1", None)
 
     async def close(self, episode: OpenEpisode) -> CapturedEpisode:
-        body = await self._post(f"/episodes/{episode.episode_id}/close", {})
+        path = f"/episodes/{episode.episode_id}/close"
+        body = await self._post(path, {}, gone=(
+            "no longer has the episode (it restarted, or the episode was idle past its "
+            "episode_ttl_s): its calls are lost, the episode runs again"))
         return CapturedEpisode.model_validate(body)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, path: str, body: dict[str, Any], *, gone: str = "") -> Any:
+        """POST to the gateway; ``gone``: a 404 means the gateway lost what ``path`` names,
+        which a new try can recover from (``InferenceUnavailable``), not a bad request."""
         try:
             async with httpx.AsyncClient(transport=self.transport,
                                          timeout=self.timeout_s) as client:
@@ -109,6 +114,8 @@ class RemoteGateway:
         except httpx.HTTPError as exc:
             raise InferenceUnavailable(f"gateway {self.url}{path}: {type(exc).__name__}: "
                                        f"{exc}") from exc
+        if response.status_code == 404 and gone:
+            raise InferenceUnavailable(f"gateway {self.url} {gone}")
         if response.status_code >= 500:
             raise InferenceUnavailable(f"gateway {self.url}{path} answered "
                                        f"{response.status_code}: {response.text[:300]}")
