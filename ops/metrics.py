@@ -296,9 +296,14 @@ class RoleMetrics:
         self._callbacks.histograms.append((name, documentation, labels, read))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serve ``/metrics`` in a background thread; returns the port (0: a free one)."""
-        self._server, self._thread = prometheus_client.start_http_server(
-            port, addr=host, registry=self.registry)
+        """Serve ``/metrics`` in a background thread; returns the port (0: a free one).
+        ``ConfigError`` naming the port when it cannot be had (in use, say)."""
+        try:
+            self._server, self._thread = prometheus_client.start_http_server(
+                port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve metrics on {host}:{port}: "
+                              f"{exc.strerror or exc} (set another --metrics-port)") from None
         return int(self._server.server_port)
 
     def close(self) -> None:

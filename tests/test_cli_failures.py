@@ -111,6 +111,21 @@ def test_a_port_in_use_is_one_line_and_exit_78(command: str, redis_server: Redis
     assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.timeout(60)  # on a regression the role would run on
+@pytest.mark.parametrize("command", [["score"], ["feed"]], ids=["score", "feed"])
+def test_a_metrics_port_in_use_is_exit_78(command: list[str], redis_server: RedisServer,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("prometheus_client")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_main([*command, "--metrics-port", str(port),
+                              "--redis-url", redis_server.url], capsys)
+    assert code == Exit.CONFIG, err
+    assert f"cannot serve metrics on 0.0.0.0:{port}" in err.splitlines()[-1]
+
+
 def test_a_bad_reward_config_names_the_field(redis_server: RedisServer, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     reward = tmp_path / "r.yaml"
