@@ -51,7 +51,8 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         help="[ROLLQ_LOG_LEVEL, info]; debug also prints tracebacks")
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="long-running roles serve Prometheus /metrics here "
-                        "[ROLLQ_METRICS_PORT, off; 0: any free port]; the 'metrics' extra")
+                        "[ROLLQ_METRICS_PORT, off; 0: any free port]; the 'metrics' extra "
+                        "(gateway and atropos-api: on their own --port instead)")
 
 
 def settings_for(cls: type[Any], args: argparse.Namespace, environ: Mapping[str, str],
@@ -84,7 +85,7 @@ def redis_client(settings: CommonSettings) -> aioredis.Redis:
     return open_redis(settings)
 
 
-async def serve_http(app: Any, host: str, port: int) -> int:
+async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None = None) -> int:
     """Serve the FastAPI ``app`` with uvicorn until SIGTERM or SIGINT; ``Exit.OK`` once it
     has stopped gracefully.
 
@@ -95,9 +96,15 @@ async def serve_http(app: Any, host: str, port: int) -> int:
     uvicorn stops on the signals, then raises the signal again for whatever handler was set
     before it started, which by default ends the process by the signal (status 143): here
     that handler does nothing, so the command exits 0 when told to stop, like every rollq
-    role.
+    role. ``metrics_port`` (a common setting) is not used: the app answers ``GET /metrics``
+    on its own port, and a warning says so.
     """
     import uvicorn
+
+    if metrics_port is not None:
+        structlog.get_logger("rollq").warning(
+            "metrics_port_ignored", metrics_port=metrics_port,
+            reason=f"this role answers GET /metrics on its own port ({port})")
 
     listener = _listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,

@@ -33,4 +33,5 @@ async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> i
         AtroposApiSettings, args, environ, host=args.host, port=args.port,
         rewards=args.rewards, consumer_group=args.consumer_group,
         inference=args.inference.split(",") if args.inference else None, model=args.model)
-    return await serve_http(create_app(settings), settings.host, settings.port)
+    return await serve_http(create_app(settings), settings.host, settings.port,
+                            metrics_port=settings.metrics_port)

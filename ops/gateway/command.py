@@ -43,4 +43,5 @@ async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         inference=inference or None, model=args.model, episode_ttl_s=args.episode_ttl_s,
         continuation_check=args.continuation_check, tokenizer=args.tokenizer,
         chat_template=args.chat_template)
-    return await serve_http(create_app(settings), settings.host, settings.port)
+    return await serve_http(create_app(settings), settings.host, settings.port,
+                            metrics_port=settings.metrics_port)
