@@ -93,11 +93,13 @@ async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None
     uvicorn's own exit (status 3, the code rollq uses for "not found"): the port is bound
     here first (in use: ``ConfigError``), and the app's lifespan runs here around uvicorn
     (Redis down: ``BrokerUnavailable``, exit 69; a bad setting: ``ConfigError``, exit 78).
-    uvicorn stops on the signals, then raises the signal again for whatever handler was set
-    before it started, which by default ends the process by the signal (status 143): here
-    that handler does nothing, so the command exits 0 when told to stop, like every rollq
-    role. ``metrics_port`` (a common setting) is not used: the app answers ``GET /metrics``
-    on its own port, and a warning says so.
+
+    The stop signals are handled from before the lifespan starts: one that arrives while it
+    starts stops the server as soon as it is up. uvicorn, once stopped, raises the signal
+    again for the handler it found, which here only asks for the stop already made (by
+    default the signal would end the process, status 143), so the command exits 0 when
+    told to stop, like every rollq role. ``metrics_port`` (a common setting) is not used:
+    the app answers ``GET /metrics`` on its own port, and a warning says so.
     """
     import uvicorn
 
@@ -105,23 +107,22 @@ async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None
         structlog.get_logger("rollq").warning(
             "metrics_port_ignored", metrics_port=metrics_port,
             reason=f"this role answers GET /metrics on its own port ({port})")
-
     listener = _listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                            access_log=False, lifespan="off"))
+
+    def stop(sig: int, frame: Any) -> None:
+        server.should_exit = True
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    main = threading.current_thread() is threading.main_thread()  # signals reach only it
+    previous = {sig: signal.signal(sig, stop) for sig in signals} if main else {}
     try:
         async with app.router.lifespan_context(app):
-            if threading.current_thread() is not threading.main_thread():  # no signals
-                await server.serve(sockets=[listener])
-                return Exit.OK
-            previous = {sig: signal.signal(sig, _already_stopped)
-                        for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                await server.serve(sockets=[listener])
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
+            await server.serve(sockets=[listener])
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         listener.close()
     return Exit.OK
 
@@ -140,7 +141,3 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (set "
                           "another --port or --host)") from None
     return listener
-
-
-def _already_stopped(sig: int, frame: Any) -> None:
-    """What uvicorn's re-raised stop signal reaches: the server has already stopped."""

@@ -98,6 +98,32 @@ def test_bad_arguments_are_one_line_and_exit_78(argv: list[str], needle: str,
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+SIGNALLED_WHILE_STARTING = """
+import asyncio, contextlib, os, signal, sys
+from fastapi import FastAPI
+from ops.invocation import serve_http
+
+@contextlib.asynccontextmanager
+async def lifespan(app):
+    os.kill(os.getpid(), signal.SIG{name})  # while the app starts: before uvicorn runs
+    await asyncio.sleep(0.2)
+    yield
+    print("lifespan ended", flush=True)
+
+sys.exit(asyncio.run(serve_http(FastAPI(lifespan=lifespan), "127.0.0.1", 0)))
+"""
+
+
+@pytest.mark.parametrize("name", ["TERM", "INT"])
+async def test_a_stop_signal_while_an_http_role_starts_stops_it_with_exit_0(name: str) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SIGNALLED_WHILE_STARTING.format(name=name),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, out.decode()[-1000:]
+    assert b"lifespan ended" in out
+
+
 @pytest.mark.parametrize("command", ["gateway", "atropos-api"])
 def test_a_port_in_use_is_one_line_and_exit_78(command: str, redis_server: RedisServer,
                                                capsys: pytest.CaptureFixture[str]) -> None:
