@@ -22,14 +22,12 @@ from schemas.errors import translated_errors
 from schemas.failures import ENTRY_TOO_LARGE
 from schemas.keys import (
     DROP_PREFIX,
-    PARTITIONS_FIELD,
-    RUNS_KEY,
     check_run_name,
     counters_key,
     partition_of,
-    state_key,
     stream_key,
 )
+from schemas.runs import register_run
 
 
 class EntryTooLarge(ContractError):
@@ -61,14 +59,7 @@ class Publisher:
     async def register(self) -> int:
         """Record the run and its partition count (first writer wins); returns the count in
         force, which is the one to publish with."""
-        async with translated_errors("registering run"):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.sadd(RUNS_KEY, self.run)
-            pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, str(self.partitions))
-            pipe.hsetnx(state_key(self.run), "created_at", repr(time.time()))
-            pipe.hget(state_key(self.run), PARTITIONS_FIELD)
-            *_, stored = await pipe.execute()
-        self.partitions = int(stored)
+        self.partitions = (await register_run(self.redis, self.run, self.partitions)).partitions
         self._registered = True
         return self.partitions
 

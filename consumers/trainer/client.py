@@ -125,7 +125,10 @@ class TrainerClient:
         self._batch_version = 0
 
     async def __aenter__(self) -> TrainerClient:
-        self.partitions = await self._ledger.register(self.settings.partitions)
+        self.partitions, created = await self._ledger.register(self.settings.partitions)
+        # a trainer may start first; a typo in the run's name starts an empty run instead
+        log.info("trainer_started", run=self.run, consumer=self.consumer,
+                 partitions=self.partitions, new_run=created)
         s = self.settings
         self._reader = StreamReader(
             self.redis, stream_keys(self.run, self.partitions, "scored"), TRAINER_GROUP,

@@ -37,12 +37,11 @@ from consumers.bus import join_trajectories, translated_errors
 from consumers.trainer.errors import ResumeError
 from schemas import Fields
 from schemas.keys import (
-    PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
-    RUNS_KEY,
     run_key,
     state_key,
 )
+from schemas.runs import Registration, register_run
 
 SEEN_BUCKETS = 12
 """The dedup window is kept in this many time buckets (one hash each)."""
@@ -118,16 +117,10 @@ class Ledger:
     def log_key(self, consumer: str | None = None) -> str:
         return run_key(self.run, f"trainer:log:{consumer or self.consumer}")
 
-    async def register(self, partitions: int) -> int:
-        """Record the run if new (first writer wins); return its partition count."""
-        async with translated_errors("registering the run"):
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.sadd(RUNS_KEY, self.run)
-            pipe.hsetnx(state_key(self.run), PARTITIONS_FIELD, str(partitions))
-            pipe.hsetnx(state_key(self.run), "created_at", str(time.time()))
-            pipe.hget(state_key(self.run), PARTITIONS_FIELD)
-            *_, stored = await pipe.execute()
-        return int(stored)
+    async def register(self, partitions: int) -> Registration:
+        """Record the run if new (first writer wins): its partition count, and whether
+        this call created it."""
+        return await register_run(self.redis, self.run, partitions)
 
     async def policy_version(self) -> int:
         """The run's published policy version (0 before the first publish)."""

@@ -10,9 +10,11 @@ import asyncio
 
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from schemas import decode_dead
 from schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
+from schemas.runs import register_run
 from tests.factories import make_group
 from tests.trainer.helpers import RUN, client, counter, publish_many, publish_scored
 
@@ -43,6 +45,20 @@ async def test_batches_by_token_budget_and_sequences(redis: aioredis.Redis) -> N
         batch = await tc.next_batch(sequences=5)  # a third group would make 6 sequences
         assert len(batch) == 2 and batch.num_tokens == 52
         assert len(await tc.next_batch(max_tokens=1000, timeout_s=0.2)) == 1
+
+
+async def test_the_trainer_says_whether_it_started_the_run(redis: aioredis.Redis) -> None:
+    """A trainer may start before any other role (it registers the run), but a typo in the
+    run's name must not pass unseen: its start line says it created the run."""
+    with capture_logs() as logs:
+        async with client(redis, consumer="a"):
+            pass
+        async with client(redis, consumer="b"):
+            pass
+    started = [(e["consumer"], e["new_run"]) for e in logs if e["event"] == "trainer_started"]
+    assert started == [("a", True), ("b", False)]
+    # first writer wins: a later registration with another partition count gets the first's
+    assert await register_run(redis, RUN, 4) == (1, False)
 
 
 async def test_empty_batch_after_timeout(redis: aioredis.Redis) -> None:
