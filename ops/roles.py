@@ -306,7 +306,8 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
                         max_staleness=settings.max_staleness, batch_groups=settings.batch_groups)
 
         async def enqueue(position: int) -> bool:
-            return await enqueue_rollout(queue, settings.run, env.name, position)
+            return await enqueue_rollout(queue, settings.run, env.name, position,
+                                         items=len(env))
 
         log.info("feeder_started", run=settings.run, env=env.name, items=len(env),
                  epochs=settings.epochs)

@@ -17,7 +17,7 @@ from producers.drawn import ItemLedger
 from producers.envs.base import DrawingEnv, Env, Item
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
-from schemas import TrajectoryGroup
+from schemas import ContractError, TrajectoryGroup
 from schemas.errors import translated_errors
 from schemas.keys import POLICY_VERSION_FIELD, state_key
 
@@ -49,6 +49,21 @@ class RolloutRunner:
     sampling: SamplingParams
     group_size: int
     versions: PolicyVersionSource
+
+    def check_job(self, env: str | None, items: int | None) -> None:
+        """``ContractError`` unless the job was enqueued for this worker's env: the same
+        name and, where the feeder sent it, the same item count (jobs address items by
+        position, so another dataset would silently roll out other items). None: not
+        known (a job enqueued by hand or by ``rollq dead requeue``)."""
+        own = self.env.name
+        if env is not None and env != own:
+            raise ContractError(f"the job is for env {env!r}, this worker runs {own!r}: start "
+                                "`rollq feed` and `rollq workers` with the same --env")
+        if items is not None and not isinstance(self.env, DrawingEnv) and items != len(self.env):
+            raise ContractError(
+                f"the feeder's env {own!r} has {items} items, this worker's has "
+                f"{len(self.env)}: start `rollq feed` and `rollq workers` with the same "
+                "--env and --env-option")
 
     async def run_job(self, group_id: str, position: int) -> str:
         """Roll out dataset item ``position % len(env)`` and publish it; returns the entry id."""

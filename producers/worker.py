@@ -115,9 +115,15 @@ async def connect_queue(redis_url: str, options: Mapping[str, Any] | None = None
                              expires_extra_ms=int(JOB_EXPIRY_S * 1000))
 
 
-async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int) -> bool:
-    """Enqueue the job for ``position``; False when that job id is already known to arq."""
-    job = await queue.enqueue_job(JOB_FUNCTION, position, _job_id=job_id(run, env, position),
+async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int, *,
+                          items: int | None = None) -> bool:
+    """Enqueue the job for ``position``; False when that job id is already known to arq.
+
+    The job carries the env's name and, from a feeder, its item count, so a worker whose
+    env differs (feed and workers started with another ``--env`` or ``--env-option``)
+    dead-letters the job instead of rolling out another item under its id."""
+    job = await queue.enqueue_job(JOB_FUNCTION, position, env=env, items=items,
+                                  _job_id=job_id(run, env, position),
                                   _queue_name=queue_name(run))
     return job is not None
 
@@ -138,7 +144,8 @@ HEALTH_KEY = "workers:health:"
 HEALTH_INTERVAL_S = 10
 
 
-async def _rollout(ctx: dict[str, Any], position: int) -> str:
+async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
+                   items: int | None = None) -> str:
     runner: RolloutRunner = ctx["runner"]
     max_tries: int = ctx["max_tries"]
     timeout_s: float = ctx["job_timeout_s"]
@@ -157,6 +164,7 @@ async def _rollout(ctx: dict[str, Any], position: int) -> str:
             deadline = asyncio.timeout(timeout_s)
             try:
                 async with deadline:
+                    runner.check_job(env, items)
                     entry_id = await runner.run_job(group_id, position)
                 ctx[OUTCOMES][PUBLISHED] += 1
                 return entry_id

@@ -163,6 +163,36 @@ async def test_each_failure_ends_in_a_counted_dead_letter(
     assert await slot_freed(real_redis)
 
 
+@pytest.mark.parametrize(("env", "items", "detail"), [
+    ("math", None, "the job is for env 'math', this worker runs 'gsm8k'"),
+    ("gsm8k", 5000, "the feeder's env 'gsm8k' has 5000 items, this worker's has 200"),
+], ids=["another-env", "another-dataset"])
+async def test_a_job_for_another_env_is_dead_lettered_not_rolled_out(
+        env: str, items: int | None, detail: str, real_redis: aioredis.Redis,
+        redis_server: RedisServer) -> None:
+    """Jobs address items by position: a worker started with another ``--env`` or another
+    dataset (``--env-option``) than the feeder's would roll out other items under the
+    jobs' ids. It dead-letters them instead (``contract_error``, counted, requeueable
+    once the workers are started right); a job that names no size is not checked."""
+    gsm8k = FlakyEnv(lambda index, call: None)
+    await Publisher(real_redis, RUN).register()
+    queue = await connect_queue(redis_server.url)
+    try:
+        await enqueue_rollout(queue, RUN, env, 0, items=items)
+        await enqueue_rollout(queue, RUN, "gsm8k", 1)  # by hand: nothing to check against
+    finally:
+        await queue.aclose()
+    await real_redis.hincrby(state_key(RUN), ADMITTED_FIELD, 2)
+    await drain(redis_server.url, gsm8k, FakeVLLM())
+    letters = await dead_letters(real_redis)
+    assert list(letters) == [job_id(RUN, env, 0)]
+    reason, text = letters[job_id(RUN, env, 0)]
+    assert reason == "contract_error" and detail in text
+    assert gsm8k.calls == Counter({1: 1})  # the mismatched job never rolled out
+    assert await published(real_redis) == [job_id(RUN, "gsm8k", 1)]
+    assert await slot_freed(real_redis)
+
+
 @pytest.mark.slow
 async def test_a_multi_turn_env_that_loses_inference_is_retried_then_dead_lettered(
         real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
