@@ -137,6 +137,17 @@ def test_a_port_in_use_is_one_line_and_exit_78(command: str, redis_server: Redis
     assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1
 
 
+def test_an_http_role_says_that_metrics_port_is_unused(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    with socket.socket() as taken:  # stops it right after the warning
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, err = run_main(["gateway", "--port", str(port), "--metrics-port", "9100"], capsys)
+    assert code == Exit.CONFIG
+    assert "metrics_port_ignored" in err and f"own port ({port})" in err
+
+
 @pytest.mark.timeout(60)  # on a regression the role would run on
 @pytest.mark.parametrize("command", [["score"], ["feed"]], ids=["score", "feed"])
 def test_a_metrics_port_in_use_is_exit_78(command: list[str], redis_server: RedisServer,
