@@ -33,6 +33,12 @@ async def _populate(redis: aioredis.Redis) -> None:
     await Stage(reader, scored_forward).drain()
 
 
+async def following(redis: aioredis.Redis) -> bool:
+    """``rollq tail`` is following: blocked in an XREAD on the server (its loop runs, so
+    its signal handlers are installed)."""
+    return any(c.get("cmd") == "xread" for c in await redis.client_list())
+
+
 def run_cli(*argv: str, url: str) -> tuple[int, str, str]:
     process = subprocess.run(
         [sys.executable, "-m", "ops.cli", *argv, "--redis-url", url],
@@ -84,10 +90,7 @@ async def test_tail_follows_new_entries(real_redis: aioredis.Redis,
         sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo", "--count", "1",
         "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
 
-    async def following() -> bool:  # at "now": blocked in an XREAD on the server
-        return any(c.get("cmd") == "xread" for c in await real_redis.client_list())
-
-    await until(following, "rollq tail to start following")
+    await until(lambda: following(real_redis), "rollq tail to start following")
     await Publisher(real_redis, "demo").publish(make_group(run="demo", group_id="fresh"))
     out, _ = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0
@@ -103,10 +106,7 @@ async def test_tail_stops_on_a_signal_and_exits_0(sig: signal.Signals,
         sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo",
         "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
 
-    async def following() -> bool:  # its loop runs, signal handlers installed before
-        return any(c.get("cmd") == "xread" for c in await real_redis.client_list())
-
-    await until(following, "rollq tail to start following")
+    await until(lambda: following(real_redis), "rollq tail to start following")
     process.send_signal(sig)
     await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 0

@@ -4,10 +4,12 @@ documented exit code, never a traceback; every long-running role stops on SIGTER
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,15 @@ COMMANDS = {
 
 
 NOT_A_BASE_URL = "is not an inference server's base URL"
+
+
+@contextlib.contextmanager
+def taken_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port another socket is listening on, for the block."""
+    with socket.socket() as taken:
+        taken.bind((host, 0))
+        taken.listen()
+        yield taken.getsockname()[1]
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str],
@@ -127,10 +138,7 @@ async def test_a_stop_signal_while_an_http_role_starts_stops_it_with_exit_0(name
 @pytest.mark.parametrize("command", ["gateway", "atropos-api"])
 def test_a_port_in_use_is_one_line_and_exit_78(command: str, redis_server: RedisServer,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with taken_port() as port:
         code, err = run_main([command, "--port", str(port), "--redis-url", redis_server.url],
                              capsys)
     assert code == Exit.CONFIG, err
@@ -139,10 +147,7 @@ def test_a_port_in_use_is_one_line_and_exit_78(command: str, redis_server: Redis
 
 def test_an_http_role_says_that_metrics_port_is_unused(capsys: pytest.CaptureFixture[str]
                                                        ) -> None:
-    with socket.socket() as taken:  # stops it right after the warning
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with taken_port() as port:  # stops it right after the warning
         code, err = run_main(["gateway", "--port", str(port), "--metrics-port", "9100"], capsys)
     assert code == Exit.CONFIG
     assert "metrics_port_ignored" in err and f"own port ({port})" in err
@@ -153,10 +158,7 @@ def test_an_http_role_says_that_metrics_port_is_unused(capsys: pytest.CaptureFix
 def test_a_metrics_port_in_use_is_exit_78(command: list[str], redis_server: RedisServer,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("prometheus_client")
-    with socket.socket() as taken:
-        taken.bind(("0.0.0.0", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
+    with taken_port("0.0.0.0") as port:
         code, err = run_main([*command, "--metrics-port", str(port),
                               "--redis-url", redis_server.url], capsys)
     assert code == Exit.CONFIG, err
