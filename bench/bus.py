@@ -64,6 +64,7 @@ from bench.common import (
     payload_bytes,
     print_table,
     redis_cpu,
+    report_ready,
     report_role,
     run_role_processes,
 )
@@ -397,7 +398,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
     client = _client(job.url)
     try:
         timed = await _prepare(job, client)
-        messages.put(("ready", job.role, None))
+        report_ready(messages, job.role)
         start.wait()  # blocks this loop, which has nothing else to do yet
         cpu = time.process_time()
         stamp = await timed()

@@ -8,6 +8,7 @@ that is removed when it stops.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import queue
 import statistics
@@ -24,7 +25,7 @@ import redis.asyncio as aioredis
 from ops.stack import RedisProcess, free_port
 
 __all__ = ["BenchRedis", "fmt", "free_port", "median_of", "payload_bytes", "print_table",
-           "redis_cpu", "report_role", "run_role_processes"]
+           "redis_cpu", "report_ready", "report_role", "run_role_processes"]
 
 
 class BenchRedis(RedisProcess):
@@ -106,6 +107,16 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: st
     for row in cells[1:]:
         print(line(row))
     print()
+
+
+def report_ready(messages: Any, role: str) -> None:
+    """Tell the parent that ``role`` is set up, once what set-up built is frozen out of the
+    cyclic collector's walks (``gc.freeze``), as the ``rollq`` program's roles do
+    (``schemas.heap``) and a training script does after building its model. Every role, raw
+    ones included, gets the same."""
+    gc.collect()
+    gc.freeze()
+    messages.put(("ready", role, None))
 
 
 def run_role_processes(entry: Callable[[Any, Any, Any], None], jobs: Sequence[Any],

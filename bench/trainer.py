@@ -60,6 +60,7 @@ from bench.common import (
     payload_bytes,
     print_table,
     redis_cpu,
+    report_ready,
     report_role,
     run_role_processes,
 )
@@ -353,7 +354,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
             publisher = Publisher(client, RUN)
             if job.role == "publish":
                 await publisher.register()
-            messages.put(("ready", job.role, None))
+            report_ready(messages, job.role)
             start.wait()
             cpu = time.process_time()
             report["first"] = time.monotonic()
@@ -375,7 +376,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
                 stop = asyncio.Event()
                 stage = _StageUntil(total, stop, reader, scorer, concurrency=SCORER_CONCURRENCY)
                 await reader.ensure_groups()
-                messages.put(("ready", job.role, None))
+                report_ready(messages, job.role)
                 start.wait()
                 cpu = time.process_time()
                 await stage.run(stop)
@@ -387,7 +388,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
                                       shape.prompt_len, shape.short_text)
             pad_groups([decode_scored(encode(grpo_scored(g, rng))) for g in warm_groups])
             async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
-                messages.put(("ready", job.role, None))
+                report_ready(messages, job.role)
                 start.wait()
                 cpu = time.process_time()
                 consumed = 0
@@ -398,7 +399,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
                 report["last"] = time.monotonic()
         elif job.role == "consume":
             await client.xgroup_create(RAW_TRAJ, "g", id="0", mkstream=True)
-            messages.put(("ready", job.role, None))
+            report_ready(messages, job.role)
             start.wait()
             cpu = time.process_time()
             report["last"] = await _raw_consume(client, RAW_TRAJ, "g", total, job.read_batch)

@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 import redis.exceptions as redis_errors
 
@@ -21,8 +22,9 @@ from ops.logging import say_error, uses_json
 from ops.settings import CommonSettings, redact_url
 from schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
 from schemas.failures import describe
+from schemas.heap import freeze_after_startup
 
-__all__ = ["Exit", "build_parser", "explain", "main"]
+__all__ = ["Exit", "build_parser", "explain", "main", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,5 +116,12 @@ def _cause(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-if __name__ == "__main__":
+def run() -> NoReturn:
+    """The ``rollq`` program (console script and ``python -m ops.cli``): ``main`` with the
+    start-up heap frozen in the roles (``schemas.heap``)."""
+    freeze_after_startup()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

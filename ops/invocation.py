@@ -22,6 +22,7 @@ import structlog
 from ops.logging import configure_logging
 from ops.settings import CommonSettings, load_settings
 from schemas import ConfigError
+from schemas.heap import startup_done
 
 
 class Exit(IntEnum):
@@ -119,6 +120,7 @@ async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None
     previous = {sig: signal.signal(sig, stop) for sig in signals} if main else {}
     try:
         async with app.router.lifespan_context(app):
+            startup_done()
             await server.serve(sockets=[listener])
     finally:
         for sig, handler in previous.items():

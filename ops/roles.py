@@ -46,6 +46,7 @@ from producers.inference import SamplingParams
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout
 from schemas import BrokerUnavailable
+from schemas.heap import startup_done
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
 from schemas.outage import OutageRider
 
@@ -111,6 +112,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
             stage = Stage(reader, scorer, concurrency=settings.concurrency)
             log.info("scorer_started", run=settings.run, consumer=reader.consumer,
                      reward_config=scorer.config_name)
+            startup_done()
             if burst:
                 await stage.drain()
                 return stage
@@ -313,6 +315,7 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
                  epochs=settings.epochs)
         rider = OutageRider(give_up_s=settings.redis_give_up_s, what="feeder", log=log)
         feeder = Feeder(redis, settings.run, plan, enqueue)
+        startup_done()
         async with LoopLagMonitor("feeder") as lag, serve_metrics(
                 settings, "feeder", lag, feeder_metrics(feeder)):
             await feeder.run_until(stop, settings.poll_s, rider)

@@ -69,6 +69,7 @@ from producers.publisher import Publisher
 from producers.rollout import PolicyVersionSource, RolloutRunner
 from schemas import BrokerUnavailable
 from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
+from schemas.heap import startup_done
 from schemas.keys import run_key
 
 log = structlog.get_logger("rollq.worker")
@@ -288,6 +289,7 @@ def build_worker(
                                  versions=PolicyVersionSource(redis, run)),
         )
         log.info("worker_started", run=run, concurrency=concurrency, servers=inference_urls)
+        startup_done()
 
     async def shutdown(ctx: dict[str, Any]) -> None:
         if "inference" in ctx:
