@@ -21,9 +21,10 @@ message, ``max_tokens`` tokens per call (``ignore_eos``). Variants:
 Each of ``--runs`` rounds runs every variant back to back, starting with a different one
 each round. Per run: tokens/s, call latency, and CPU milliseconds per call of vLLM's API
 server, its engine (which busy-polls, so it tracks wall time), the gateway and the agent
-process. The closing lines are the median ratio of completion tokens/s (gateway/direct,
-goal >= 0.9) and the added latency per call (p50/p99 of the gateway's call latencies minus
-the direct ones, medians over runs)."""
+process. The closing lines are what asking vLLM for logprobs costs on its own
+(``direct+lp``/``direct``: no capturing gateway can do better), the median ratio of
+completion tokens/s (gateway/direct, goal >= 0.9) and the added latency per call
+(p50/p99 of the gateway's call latencies minus the direct ones, medians over runs)."""
 
 from __future__ import annotations
 
@@ -307,6 +308,10 @@ def report(results: dict[str, list[Run]]) -> None:
           f"tokens/s")
     print(f"added latency per call: p50 {added[0.5] * 1000:.1f} ms, "
           f"p99 {added[0.99] * 1000:.1f} ms")
+    ceiling = median_of(lp.tokens_per_s / d.tokens_per_s for d, lp in zip(
+        results["direct"], results["direct+lp"], strict=True))
+    print(f"direct asking logprobs and token ids / direct: {ceiling:.2f} (what vLLM's own "
+          "logprobs cost: the ceiling of the ratio below for any gateway that captures them)")
     captured = median_of(g.tokens_per_s / d.tokens_per_s for d, g in zip(
         results["direct+lp"], results["gateway"], strict=True))
     print(f"gateway / direct asking the same logprobs and token ids: {captured:.2f} "
