@@ -8,7 +8,6 @@ that is removed when it stops.
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import queue
 import statistics
@@ -23,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ops.stack import RedisProcess, free_port
+from schemas.heap import freeze_heap
 
 __all__ = ["BenchRedis", "fmt", "free_port", "median_of", "payload_bytes", "print_table",
            "redis_cpu", "report_ready", "report_role", "run_role_processes"]
@@ -114,8 +114,7 @@ def report_ready(messages: Any, role: str) -> None:
     cyclic collector's walks (``gc.freeze``), as the ``rollq`` program's roles do
     (``schemas.heap``) and a training script does after building its model. Every role, raw
     ones included, gets the same."""
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     messages.put(("ready", role, None))
 
 

@@ -29,7 +29,6 @@ Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU els
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -42,6 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
 from schemas import BrokerUnavailable
+from schemas.heap import freeze_heap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -197,8 +197,7 @@ def train(args: argparse.Namespace) -> int:
         # Set-up is done: keep the cyclic collector's full walks off torch, the model and
         # everything else that lives as long as this process (schemas.heap: ~15 % of the
         # SDK's CPU a group at 16 x 2048).
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
         while step < args.steps:
             started = time.monotonic()
             batch = client.next_batch(groups=args.batch_groups)

@@ -15,8 +15,8 @@ moves about 15 % more groups a second.
 
 The ``rollq`` program turns this on (``freeze_after_startup``); code that calls
 ``ops.cli.main`` or a role's ``run_*`` in-process (the tests) leaves its own heap alone. A
-training script using the SDK can do the same after building its model and optimizer:
-``gc.collect(); gc.freeze()``.
+training script using the SDK can do the same after building its model and optimizer
+(``freeze_heap()``).
 
 It lives in the leaf package because producers, consumers and ops all call it.
 """
@@ -35,11 +35,14 @@ def freeze_after_startup(enabled: bool = True) -> None:
     _enabled = enabled
 
 
-def startup_done() -> int:
-    """Called by each role once its start-up is done: when enabled, collect, then freeze
-    every object alive now. Returns how many objects are frozen (0 when not enabled)."""
-    if not _enabled:
-        return 0
+def freeze_heap() -> int:
+    """Collect, then freeze every object alive now; returns how many objects are frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def startup_done() -> int:
+    """Called by each role once its start-up is done: ``freeze_heap()`` when enabled.
+    Returns how many objects are frozen (0 when not enabled)."""
+    return freeze_heap() if _enabled else 0

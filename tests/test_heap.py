@@ -43,6 +43,10 @@ def test_startup_done_collects_then_freezes(restored: None) -> None:
     assert gc.is_tracked(kept)
 
 
+def test_freeze_heap_freezes_whatever_the_switch(restored: None) -> None:
+    assert heap.freeze_heap() == gc.get_freeze_count() > 0
+
+
 def test_the_rollq_program_turns_it_on(restored: None, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[bool] = []
     monkeypatch.setattr(cli, "main", lambda: seen.append(heap._enabled) or 0)
