@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from consumers.trainer import pack_groups, pad_groups
+from consumers.trainer import layout, pack_groups, pad_groups
 from consumers.trainer.batch import EntryRef, build_batch
 from schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup
 
@@ -82,6 +82,79 @@ def test_packed_and_padded_agree_on_real_tokens() -> None:
                  "versions"):
         np.testing.assert_array_equal(getattr(p, name)[real], getattr(k, name), err_msg=name)
     np.testing.assert_array_equal(p.group_index, [0, 0, 1, 1])
+
+
+def random_group(rng: np.random.Generator, name: str, max_len: int,
+                 min_completions: int = 1) -> ScoredGroup:
+    """A group of min_completions-5 completions of 1..max_len tokens, some with per-token
+    versions and per-token advantages, a prompt of 0-7 tokens."""
+    completions, scores = [], []
+    for _ in range(int(rng.integers(min_completions, 6))):
+        n = int(rng.integers(1, max_len + 1))
+        versions = rng.integers(2, 5, n).tolist() if rng.random() < 0.5 else None
+        completions.append(Completion(
+            completion_ids=rng.integers(1, 500, n).tolist(),
+            logprobs=(-rng.random(n)).tolist(), loss_mask=rng.integers(0, 2, n).tolist(),
+            policy_version=2, token_versions=versions))
+        advantage = float(rng.normal())
+        token_advantages = rng.normal(size=n).tolist() if rng.random() < 0.5 else [advantage] * n
+        scores.append(SequenceScore(reward=float(rng.random()), advantage=advantage,
+                                    token_advantages=token_advantages))
+    prompt = rng.integers(1, 500, int(rng.integers(0, 8))).tolist()
+    group = TrajectoryGroup(group_id=name, run="test", env="toy", policy_version=2,
+                            prompt_ids=prompt, completions=tuple(completions))
+    return ScoredGroup(trajectory=group, scores=tuple(scores))
+
+
+def reference_rows(group: ScoredGroup, width: int, pad: int) -> dict[str, list[list[float]]]:
+    """The padded rows of ``group``, built token by token from the module docstring's
+    table."""
+    rows: dict[str, list[list[float]]] = {name: [] for name in (
+        "input_ids", "attention_mask", "position_ids", "loss_mask", "advantages",
+        "sampler_logprobs", "versions")}
+    prompt = list(group.trajectory.prompt_ids)
+    for c, score in zip(group.trajectory.completions, group.scores, strict=True):
+        n = len(c.completion_ids)
+        tail = width - len(prompt) - n
+        versions = list(c.token_versions) if c.token_versions is not None else [
+            c.policy_version] * n
+        rows["input_ids"].append(prompt + list(c.completion_ids) + [pad] * tail)
+        rows["attention_mask"].append([1] * (len(prompt) + n) + [0] * tail)
+        rows["position_ids"].append(list(range(len(prompt) + n)) + [0] * tail)
+        rows["loss_mask"].append([0] * len(prompt) + list(c.loss_mask) + [0] * tail)
+        rows["advantages"].append([0] * len(prompt) + list(score.token_advantages)
+                                  + [0] * tail)
+        rows["sampler_logprobs"].append([0] * len(prompt) + list(c.logprobs) + [0] * tail)
+        rows["versions"].append([-1] * len(prompt) + versions + [-1] * tail)
+    return rows
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["ufuncs", "row-writes"])
+def test_padded_layout_equals_a_token_by_token_reference(large: bool) -> None:
+    # pad_groups leaves most of its block unzeroed: dirty freed memory must never show.
+    rng = np.random.default_rng(int(large))
+    for trial in range(6):
+        np.full(1 << 22, 7, np.int64)  # a dirty block freed just before: malloc reuses it
+        groups = ([random_group(rng, f"g{trial}-{i}", 3000, min_completions=4)
+                   for i in range(8)] if large else
+                  [random_group(rng, f"g{trial}-{i}", 40) for i in range(int(rng.integers(1, 5)))])
+        pad = int(rng.integers(0, 3))
+        p = pad_groups(groups, pad_token_id=pad)
+        assert (p.input_ids.size >= layout._SMALL_PADDED) == large  # the path under test
+        width = int(p.lengths.max())
+        expected: dict[str, list[list[float]]] = {}
+        for group in groups:
+            for name, rows in reference_rows(group, width, pad).items():
+                expected.setdefault(name, []).extend(rows)
+        for name, rows in expected.items():
+            np.testing.assert_allclose(getattr(p, name), np.asarray(rows), rtol=1e-6,
+                                       err_msg=f"{name}, trial {trial}")
+        k = pack_groups(groups)
+        real = p.attention_mask.astype(bool)
+        for name in expected:
+            if name != "attention_mask":
+                np.testing.assert_array_equal(getattr(k, name), getattr(p, name)[real],
+                                              err_msg=f"packed {name}, trial {trial}")
 
 
 def test_empty_layouts() -> None:
