@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,10 +107,10 @@ def random_group(rng: np.random.Generator, name: str, max_len: int,
     return ScoredGroup(trajectory=group, scores=tuple(scores))
 
 
-def reference_rows(group: ScoredGroup, width: int, pad: int) -> dict[str, list[list[float]]]:
+def reference_rows(group: ScoredGroup, width: int, pad: int) -> dict[str, list[list[Any]]]:
     """The padded rows of ``group``, built token by token from the module docstring's
     table."""
-    rows: dict[str, list[list[float]]] = {name: [] for name in (
+    rows: dict[str, list[list[Any]]] = {name: [] for name in (
         "input_ids", "attention_mask", "position_ids", "loss_mask", "advantages",
         "sampler_logprobs", "versions")}
     prompt = list(group.trajectory.prompt_ids)
@@ -142,7 +143,7 @@ def test_padded_layout_equals_a_token_by_token_reference(large: bool) -> None:
         p = pad_groups(groups, pad_token_id=pad)
         assert (p.input_ids.size >= layout._SMALL_PADDED) == large  # the path under test
         width = int(p.lengths.max())
-        expected: dict[str, list[list[float]]] = {}
+        expected: dict[str, list[list[Any]]] = {}
         for group in groups:
             for name, rows in reference_rows(group, width, pad).items():
                 expected.setdefault(name, []).extend(rows)
