@@ -56,10 +56,10 @@ def layout_breaks_on(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     breaking: set[str] = set()
     write_tokens = layout._write_tokens
 
-    def failing(groups: list[ScoredGroup], *args: Any) -> None:
+    def failing(groups: list[ScoredGroup], *args: Any, **kwargs: Any) -> None:
         if any(g.group_id in breaking for g in groups):
             raise OverflowError("Python integer 2147483648 out of bounds for int32")
-        write_tokens(groups, *args)
+        write_tokens(groups, *args, **kwargs)
 
     monkeypatch.setattr(layout, "_write_tokens", failing)
     return breaking
@@ -130,10 +130,10 @@ async def test_an_entry_that_kills_the_trainer_is_dead_lettered_after_max_delive
 ) -> None:
     write_tokens = layout._write_tokens
 
-    def killing(groups: list[ScoredGroup], *args: Any) -> None:
+    def killing(groups: list[ScoredGroup], *args: Any, **kwargs: Any) -> None:
         if any(g.group_id == "killer" for g in groups):
             raise Killed
-        write_tokens(groups, *args)
+        write_tokens(groups, *args, **kwargs)
 
     monkeypatch.setattr(layout, "_write_tokens", killing)
     await publish_scored(redis, make_group(group_id="killer"))
