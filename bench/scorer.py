@@ -20,9 +20,10 @@ Configs (zero-variance policy ``keep`` in both, so no group is dropped):
 During every run a ticker task on the same event loop sleeps 10 ms over and over and records
 how late it wakes up (actual - expected): the event-loop lag, p50/p99/max.
 
-Also reported: the mean ms per group each component spent (``GroupScore.timings``: wall
-time, so a pooled component's figure includes waiting for a free worker while other groups
-are in flight), and each component's serial in-process CPU cost per group (the work itself).
+Also reported: the mean ms per group each component spent (``GroupScore.timings``: the wall
+time of the one scoring call a read's groups share, divided among them; a pooled component's
+figure includes waiting for a free worker), and each component's serial in-process CPU cost
+per group (the work itself).
 
 Run from the repository root:  python -m bench.scorer  [--groups 200 --runs 3 ...]
 """
@@ -52,6 +53,7 @@ from consumers.bus import StreamReader
 from consumers.scorer.bridge import GroupScore, RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
+from consumers.scorer.errors import ScoringError
 from consumers.scorer.sample import Sample
 from consumers.stage import Stage
 from ops.logging import configure_logging
@@ -210,16 +212,22 @@ def make_groups(count: int, group_size: int, seed: int = 0) -> list[TrajectoryGr
 
 
 class TimedBridge(RewardBridge):
-    """A ``RewardBridge`` that keeps every group's ``GroupScore.timings``."""
+    """A ``RewardBridge`` that keeps every group's share of ``GroupScore.timings``."""
 
     def __init__(self, config: RewardConfig) -> None:
         super().__init__(config)
         self.timings: list[dict[str, float]] = []
 
-    async def score_group(self, samples: Sequence[Sample]) -> GroupScore:
-        score = await super().score_group(samples)
-        self.timings.append(score.timings)
-        return score
+    async def score_groups(
+        self, groups: Sequence[Sequence[Sample]]
+    ) -> list[GroupScore | ScoringError]:
+        # Every path scores through here: the Scorer scores each read as one call, and a
+        # GroupScore's timings are the whole call's, so each group gets its share.
+        results = await super().score_groups(groups)
+        scored = [r for r in results if isinstance(r, GroupScore)]
+        self.timings.extend({name: seconds / len(scored) for name, seconds in r.timings.items()}
+                            for r in scored)
+        return results
 
 
 async def ticker(stop: asyncio.Event, lags: list[float]) -> None:
@@ -476,8 +484,8 @@ async def main_async(args: argparse.Namespace) -> int:
                               serial[name][component] / args.group_size])
     print_table(["config", "component", "wall ms/group in scorer", "serial CPU ms/group",
                  "serial CPU ms/completion"], comp_rows,
-                title="per component: GroupScore.timings (wall; overlaps across concurrent "
-                      "groups) and serial in-process CPU cost")
+                title="per component: GroupScore.timings (wall, each read's scoring call "
+                      "shared among its groups) and serial in-process CPU cost")
 
     for name, runs in results.items():
         gps = median_of(r.groups_per_s for r in runs)
