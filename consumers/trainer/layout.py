@@ -194,11 +194,11 @@ two ufuncs; above it with a fill, a copy and a write per padded row, which is 1.
 faster on 128 x 2304 (a ufunc casting bool to int64 runs buffered) but pays ~1 us a row."""
 
 
-def _allocate(shape: tuple[int, ...], int64_arrays: int) -> tuple[list[Int64Array],
-                                                                 list[Float32Array], Int32Array]:
+def _allocate(shape: tuple[int, ...], int64_arrays: int, *, zero_ids: bool = True
+              ) -> tuple[list[Int64Array], list[Float32Array], Int32Array]:
     """Arrays of ``shape`` carved from one allocation: ``int64_arrays`` int64 ones, three
-    float32 ones and an int32 one. Only the first int64 array (the token ids) and the
-    float32 ones are zeroed: the caller writes every element of the others.
+    float32 ones and an int32 one. Only the float32 ones and, with ``zero_ids``, the first
+    int64 one (the token ids) are zeroed: the caller writes every element of the others.
 
     One block rather than seven: numpy backs a block this large with huge pages, so the
     first write to a fresh batch faults a few pages instead of thousands (measured: a third
@@ -220,8 +220,8 @@ def _allocate(shape: tuple[int, ...], int64_arrays: int) -> tuple[list[Int64Arra
         return array
 
     filled = [take(np.int64, 8) for _ in range(int64_arrays - 1)]
-    zeroed_from = offset
     ids = take(np.int64, 8)
+    zeroed_from = offset - (ids.nbytes if zero_ids else 0)
     floats = [take(np.float32, 4) for _ in range(_FLOAT32_ARRAYS)]
     block[zeroed_from:offset].fill(0)
     return [ids, *filled], floats, take(np.int32, 4)
@@ -234,7 +234,7 @@ def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedAr
     b = len(lengths)
     t = int(lengths.max()) if b else 0
     (ids, attention, positions), (loss, advantages, logprobs), versions = _allocate(
-        (b, t), _INT64_ARRAYS)
+        (b, t), _INT64_ARRAYS, zero_ids=not pad_token_id)
     if pad_token_id:
         ids.fill(pad_token_id)
     versions.fill(NO_VERSION)
@@ -264,7 +264,7 @@ def pack_groups(groups: Sequence[ScoredGroup]) -> PackedBatch:
     np.cumsum(lengths, out=cu_seqlens[1:], dtype=np.int32)
     n = int(cu_seqlens[-1])
     # every position is a prompt or completion token: ids need no padding value
-    (ids, positions), (loss, advantages, logprobs), versions = _allocate((n,), 2)
+    (ids, positions), (loss, advantages, logprobs), versions = _allocate((n,), 2, zero_ids=False)
     versions.fill(NO_VERSION)
     _write_tokens(groups, cu_seqlens[:-1].tolist(), ids, loss, advantages, logprobs, versions)
     starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
