@@ -162,12 +162,11 @@ def _write_tokens(groups: Sequence[ScoredGroup], starts: Sequence[int], ids: Int
     for group in groups:
         prompt = group.trajectory.prompt_ids
         p = len(prompt)
-        pairs = zip(group.trajectory.completions, group.scores, strict=True)
         if width is not None and p:
             first = starts[i]
             rows = len(group.scores)
             ids[first:first + rows * width].reshape(rows, width)[:, :p] = prompt
-        for completion, score in pairs:
+        for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
             start = starts[i]
             begin = start + p
             end = begin + len(completion.completion_ids)
