@@ -20,6 +20,11 @@ Configs (zero-variance policy ``keep`` in both, so no group is dropped):
 During every run a ticker task on the same event loop sleeps 10 ms over and over and records
 how late it wakes up (actual - expected): the event-loop lag, p50/p99/max.
 
+``--tokens N`` gives every completion N token ids and logprobs (default: a quarter of its
+text's length in bytes, ~500), with the same texts: the scorer reads the token arrays with
+each entry but no component here uses them, so ``--tokens 2048`` against ``--tokens 64``
+is what the arrays alone cost a scorer (its CPU, and Redis's CPU per group, reported too).
+
 Also reported: the mean ms per group each component spent (``GroupScore.timings``: the wall
 time of the one scoring call a read's groups share, divided among them; a pooled component's
 figure includes waiting for a free worker), and each component's serial in-process CPU cost
@@ -48,7 +53,7 @@ import numpy as np
 import redis.asyncio as aioredis
 import yaml
 
-from bench.common import BenchRedis, median_of, print_table
+from bench.common import BenchRedis, median_of, print_table, redis_cpu
 from consumers.bus import StreamReader
 from consumers.scorer.bridge import GroupScore, RewardBridge
 from consumers.scorer.config import RewardConfig
@@ -179,13 +184,15 @@ def make_completion_text(rng: np.random.Generator, problem: Problem,
     return f"<think>\n{reasoning}", "length"
 
 
-def make_group(rng: np.random.Generator, group_size: int, run: str = RUN) -> TrajectoryGroup:
-    """A group of ``group_size`` completions to one problem, ~half of them correct."""
+def make_group(rng: np.random.Generator, group_size: int, run: str = RUN,
+               tokens: int = 0) -> TrajectoryGroup:
+    """A group of ``group_size`` completions to one problem, ~half of them correct;
+    ``tokens`` token ids per completion (0: a quarter of the text's length, at least 16)."""
     problem = make_problem(rng)
     completions = []
     for _ in range(group_size):
         text, finish = make_completion_text(rng, problem, bool(rng.random() < 0.5))
-        n = max(16, len(text) // 4)
+        n = tokens or max(16, len(text) // 4)
         completions.append(Completion(
             completion_ids=rng.integers(0, 150_000, n, dtype=np.int32),
             logprobs=-rng.random(n, dtype=np.float32) * 2,
@@ -203,9 +210,10 @@ def make_group(rng: np.random.Generator, group_size: int, run: str = RUN) -> Tra
     )
 
 
-def make_groups(count: int, group_size: int, seed: int = 0) -> list[TrajectoryGroup]:
+def make_groups(count: int, group_size: int, seed: int = 0,
+                tokens: int = 0) -> list[TrajectoryGroup]:
     rng = np.random.default_rng(seed)
-    return [make_group(rng, group_size) for _ in range(count)]
+    return [make_group(rng, group_size, tokens=tokens) for _ in range(count)]
 
 
 # --------------------------------------------------------------------------- measure
@@ -270,6 +278,7 @@ class Run:
     cpu_s: float
     pool_cpu_s: float
     mean_reward: float = 0.0
+    redis_cpu_s: float = 0.0
 
     @property
     def groups_per_s(self) -> float:
@@ -316,18 +325,20 @@ async def scorer_run(settings: ScorerSettings, bridge: TimedBridge, config: Rewa
     gc.collect()
     tick = asyncio.create_task(ticker(stop, lags))
     await asyncio.sleep(0)
+    redis_before = await redis_cpu(settings.redis_url)
     cpu, pool_cpu = time.process_time(), pool_cpu_s(bridge)
     started = time.perf_counter()
     await stage.drain()
     seconds = time.perf_counter() - started
     cpu_s, pool_cpu = time.process_time() - cpu, pool_cpu_s(bridge) - pool_cpu
+    redis_s = await redis_cpu(settings.redis_url) - redis_before
     stop.set()
     await tick
     if stage.forwarded + stage.dropped != groups or stage.dead_lettered:
         raise RuntimeError(f"scorer handled {stage.forwarded} forwarded + {stage.dropped} "
                            f"dropped + {stage.dead_lettered} dead of {groups} groups")
     return Run(seconds, groups, stage.forwarded, stage.dropped, [x * 1e3 for x in lags],
-               list(bridge.timings), cpu_s, pool_cpu, await mean_reward(client))
+               list(bridge.timings), cpu_s, pool_cpu, await mean_reward(client), redis_s)
 
 
 class _DeprecationNoise(logging.Filter):
@@ -374,6 +385,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=200, help="groups per run (default 200)")
     parser.add_argument("--runs", type=int, default=3, help="runs per config (default 3)")
     parser.add_argument("--group-size", type=int, default=16, help="completions per group")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="token ids per completion, same texts (default 0: a quarter of "
+                             "the text's length in bytes); 2048 against 64 is what the "
+                             "token arrays cost a scorer")
     parser.add_argument("--concurrency", type=int, default=ScorerSettings().concurrency,
                         help="scorer concurrency = read count (default: ScorerSettings')")
     parser.add_argument("--processes", type=int, default=ScorerSettings().processes,
@@ -389,7 +404,8 @@ async def main_async(args: argparse.Namespace) -> int:
           flush=True)
     # fresh groups (new seed) for every run, so no cache in the scorer or its workers
     # (sympy, math-verify) sees a text twice; sets[0] warms up and feeds the serial costs
-    sets = [make_groups(args.groups, args.group_size, seed) for seed in range(args.runs + 1)]
+    sets = [make_groups(args.groups, args.group_size, seed, args.tokens)
+            for seed in range(args.runs + 1)]
     encoded = [[encode(g) for g in groups] for groups in sets]
     groups, payloads = sets[0], encoded[0]
     texts = [len(c.text.encode()) for g in groups for c in g.completions]
@@ -460,17 +476,19 @@ async def main_async(args: argparse.Namespace) -> int:
             " ".join(f"{r.groups_per_s:.1f}" for r in runs),
             median_of(r.groups_per_s for r in runs),
             median_of(r.groups_per_s * args.group_size for r in runs),
-            median_of(r.cpu_s / r.groups * 1e3 for r in runs),
-            median_of(r.pool_cpu_s / r.groups * 1e3 for r in runs),
+            f"{median_of(r.cpu_s / r.groups * 1e3 for r in runs):.3f}",
+            f"{median_of(r.pool_cpu_s / r.groups * 1e3 for r in runs):.3f}",
+            f"{median_of(r.redis_cpu_s / r.groups * 1e3 for r in runs):.3f}",
             median_of(percentile(r.lags_ms, 50) for r in runs),
             median_of(percentile(r.lags_ms, 99) for r in runs),
             median_of(max(r.lags_ms) for r in runs),
             startup[name],
         ])
-    rows.append(["(idle loop, for reference)", "", "", "", "", "", percentile(base_lag, 50),
+    rows.append(["(idle loop, for reference)", "", "", "", "", "", "", percentile(base_lag, 50),
                  percentile(base_lag, 99), max(base_lag), ""])
     print_table(["config", "groups/s per run", "median groups/s", "completions/s",
-                 "main CPU ms/group", "pool CPU ms/group", "lag p50 ms", "lag p99 ms", "lag max ms",
+                 "main CPU ms/group", "pool CPU ms/group", "redis CPU ms/group", "lag p50 ms",
+                 "lag p99 ms", "lag max ms",
                  "bridge start s"], rows,
                 title=f"one scorer process, {args.groups} groups x {args.group_size} per run, "
                       f"median of {args.runs} runs (lag: 10 ms ticker on the scorer's loop)")
@@ -480,8 +498,8 @@ async def main_async(args: argparse.Namespace) -> int:
         for component in serial[name]:
             wall = median_of(float(np.mean([t[component] for t in r.timings])) * 1e3
                              for r in runs)
-            comp_rows.append([name, component, wall, serial[name][component],
-                              serial[name][component] / args.group_size])
+            comp_rows.append([name, component, f"{wall:.3f}", f"{serial[name][component]:.3f}",
+                              f"{serial[name][component] / args.group_size:.4f}"])
     print_table(["config", "component", "wall ms/group in scorer", "serial CPU ms/group",
                  "serial CPU ms/completion"], comp_rows,
                 title="per component: GroupScore.timings (wall, each read's scoring call "
