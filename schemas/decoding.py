@@ -14,7 +14,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
-from schemas.arrays import broadcast
+from schemas.columns import ScoredColumns, TrajectoryColumns
 from schemas.entry import (
     F32,
     I32,
@@ -29,16 +29,13 @@ from schemas.entry import (
     offsets_of,
     short_error,
     sized_array,
-    split_at,
     whole_array,
 )
 from schemas.errors import DecodeError
 from schemas.models import (
-    SCHEMA_VERSION,
     Completion,
     FiniteFloat,
     ScoredGroup,
-    SequenceScore,
     StreamGroup,
     TrajectoryGroup,
 )
@@ -94,31 +91,17 @@ def _validated(adapter: TypeAdapter[Any], fields: Mapping[bytes, bytes], name: b
         raise DecodeError(f"field {name.decode()!r} is invalid: {short_error(exc)}") from None
 
 
-def _decode_trajectory(fields: Mapping[bytes, bytes], run: str | None,
-                       vocab_size: int | None) -> TrajectoryGroup:
+def _trajectory_columns(fields: Mapping[bytes, bytes], run: str | None,
+                        vocab_size: int | None) -> TrajectoryColumns:
     lengths = whole_array(fields, b"lengths", I32).tolist()
     prompt_ids, all_ids, all_logprobs, all_masks, all_versions = check_trajectory_values(
         fields, lengths, vocab_size)
-    offsets = offsets_of(lengths)
-    ids = split_at(all_ids, offsets)
-    logprobs = split_at(all_logprobs, offsets)
-    masks = split_at(all_masks, offsets)
-    versions: list[Any] = [None] * len(lengths)
-    if all_versions is not None:
-        versions = split_at(all_versions, offsets)
     texts = completion_texts(fields, len(lengths))
     meta = _validated(_TRAJECTORY_META, fields, b"meta")
     if len(meta["completions"]) != len(lengths):
         raise DecodeError(f"meta has {len(meta['completions'])} completions for "
                           f"{len(lengths)} lengths")
-    completions = tuple(
-        Completion.from_valid({
-            "completion_ids": ids[i], "logprobs": logprobs[i], "loss_mask": masks[i],
-            "token_versions": _if_changed(versions[i], info["policy_version"]),
-            "text": texts[i], **info})
-        for i, info in enumerate(meta["completions"])
-    )
-    if not completions:
+    if not lengths:
         raise DecodeError("invalid trajectory group: it has no completions")
     try:
         version = field_bytes(fields, b"policy_version")
@@ -136,40 +119,44 @@ def _decode_trajectory(fields: Mapping[bytes, bytes], run: str | None,
     if run is not None and identity["run"] != run:
         raise DecodeError(f"field 'run' is {identity['run'][:80]!r}, but the entry is in a "
                           f"stream of run {run!r}")
-    del meta["completions"]
-    return TrajectoryGroup.from_valid({
-        "v": SCHEMA_VERSION, "kind": "traj", **identity,
-        "prompt_ids": prompt_ids, "completions": completions, **meta})
+    return TrajectoryColumns(
+        identity=identity, prompt_ids=prompt_ids, lengths=lengths, offsets=offsets_of(lengths),
+        completion_ids=all_ids, logprobs=all_logprobs, loss_mask=all_masks,
+        token_versions=all_versions, texts=texts, meta=meta)
 
 
-def _decode_scored(fields: Mapping[bytes, bytes], trajectory: TrajectoryGroup) -> ScoredGroup:
-    lengths = [len(c.completion_ids) for c in trajectory.completions]
-    offsets = offsets_of(lengths)
-    n, total = len(lengths), offsets[-1]
+def _scored_columns(fields: Mapping[bytes, bytes],
+                    trajectory: TrajectoryColumns) -> ScoredColumns:
+    n, total = len(trajectory.lengths), trajectory.offsets[-1]
     rewards = sized_array(fields, b"rewards", F32, n)
     advantages = sized_array(fields, b"advantages", F32, n)
     all_advantages, all_rewards = check_score_values(fields, rewards, advantages, total)
-    if all_advantages is not None:
-        token_advantages = split_at(all_advantages, offsets)
-    else:
-        token_advantages = broadcast(advantages, lengths)
-    token_rewards: list[Any] = [None] * n
-    if all_rewards is not None:
-        token_rewards = split_at(all_rewards, offsets)
     meta = _validated(_SCORE_META, fields, b"score_meta")
     if len(meta["components"]) != n:
         raise DecodeError(f"score_meta has {len(meta['components'])} component maps for "
                           f"{n} sequences")
-    scores = tuple(
-        SequenceScore.from_valid({
-            "reward": float(rewards[i]), "advantage": float(advantages[i]),
-            "token_advantages": token_advantages[i], "components": meta["components"][i],
-            "token_rewards": token_rewards[i]})
-        for i in range(n)
-    )
-    del meta["components"]
-    return ScoredGroup.from_valid({
-        "v": SCHEMA_VERSION, "kind": "scored", "trajectory": trajectory, "scores": scores, **meta})
+    return ScoredColumns(trajectory=trajectory, rewards=rewards, advantages=advantages,
+                         token_advantages=all_advantages, token_rewards=all_rewards,
+                         score_meta=meta)
+
+
+def decode_columns(fields: Mapping[bytes, bytes], *, run: str | None = None,
+                   vocab_size: int | None = None) -> TrajectoryColumns | ScoredColumns:
+    """Every check of ``decode``, without assembling the models: the entry's values as
+    ``TrajectoryColumns`` or ``ScoredColumns``, whose ``group()`` is what ``decode``
+    returns (``schemas.columns``)."""
+    check_version(fields)
+    kind = field_bytes(fields, b"kind")
+    if kind not in (b"traj", b"scored"):
+        raise DecodeError(f"unknown kind {kind[:16]!r}")
+    if kind == b"scored" and TRAJECTORY_REF in fields:
+        raise DecodeError(
+            f"scored entry names traj entry {fields[TRAJECTORY_REF][:40]!r}: join it first "
+            "(schemas.join_trajectory)")
+    trajectory = _trajectory_columns(fields, run, vocab_size)
+    if kind == b"traj":
+        return trajectory
+    return _scored_columns(fields, trajectory)
 
 
 def decode(fields: Mapping[bytes, bytes], *, run: str | None = None,
@@ -181,18 +168,16 @@ def decode(fields: Mapping[bytes, bytes], *, run: str | None = None,
     stream the entry was read from (the key says it), which the entry's ``run`` must be.
     ``vocab_size``: the model's vocabulary size, which every token id must be below.
     """
-    check_version(fields)
-    kind = field_bytes(fields, b"kind")
-    if kind not in (b"traj", b"scored"):
-        raise DecodeError(f"unknown kind {kind[:16]!r}")
-    if kind == b"scored" and TRAJECTORY_REF in fields:
-        raise DecodeError(
-            f"scored entry names traj entry {fields[TRAJECTORY_REF][:40]!r}: join it first "
-            "(schemas.join_trajectory)")
-    trajectory = _decode_trajectory(fields, run, vocab_size)
-    if kind == b"traj":
-        return trajectory
-    return _decode_scored(fields, trajectory)
+    return decode_columns(fields, run=run, vocab_size=vocab_size).group()
+
+
+def decode_scored_columns(fields: Mapping[bytes, bytes], *, run: str | None = None,
+                          vocab_size: int | None = None) -> ScoredColumns:
+    """``decode_scored``'s checks, the values left unassembled (``ScoredColumns``)."""
+    columns = decode_columns(fields, run=run, vocab_size=vocab_size)
+    if not isinstance(columns, ScoredColumns):
+        raise DecodeError("expected a scored group, got kind 'traj'")
+    return columns
 
 
 def decode_trajectory(fields: Mapping[bytes, bytes], *, run: str | None = None,
@@ -220,10 +205,3 @@ def scored_rewards(fields: Mapping[bytes, bytes]) -> list[float]:
     if not np.isfinite(rewards).all():
         raise DecodeError("rewards are not finite")
     return [float(r) for r in rewards]
-
-
-def _if_changed(versions: Any, policy_version: Any) -> Any:
-    """Per-token versions only when they differ from the sequence's version (see model)."""
-    if versions is None or (len(versions) and (versions != policy_version).any()):
-        return versions
-    return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from consumers.trainer.layout import (
+    Group,
     PackedBatch,
     PaddedArrays,
     array_fields,
@@ -36,14 +37,23 @@ class BatchData(PaddedArrays):
     ``PaddedArrays`` for every array). Sequences are in group order, each group's
     completions in order; ``group_index[i]`` says which group sequence ``i`` belongs to."""
 
-    groups: tuple[ScoredGroup, ...]
-    """The scored groups of the batch, whole (rewards, component values, text, metadata)."""
+    sources: tuple[Group, ...]
+    """What the arrays were laid out from, a group each: the decoded columns of its entry
+    (``schemas.columns``; what ``next_batch`` gives) or the ``ScoredGroup`` itself."""
     entries: tuple[EntryRef, ...]
     """The stream entry of each group, in ``groups`` order."""
 
     @property
+    def groups(self) -> tuple[ScoredGroup, ...]:
+        """The scored groups of the batch, whole (rewards, component values, text,
+        metadata). Their models are assembled on the first read, from values already
+        checked when the entries were decoded; a training step that uses only the arrays
+        never pays for them."""
+        return tuple(g if isinstance(g, ScoredGroup) else g.group() for g in self.sources)
+
+    @property
     def group_ids(self) -> list[str]:
-        return [g.group_id for g in self.groups]
+        return [g.group_id for g in self.sources]
 
     @property
     def entry_ids(self) -> list[str]:
@@ -60,11 +70,11 @@ class BatchData(PaddedArrays):
 
     def __len__(self) -> int:
         """Number of groups."""
-        return len(self.groups)
+        return len(self.sources)
 
     def pack(self) -> PackedBatch:
         """The same sequences in the packed layout (flat tokens + ``cu_seqlens``)."""
-        return pack_groups(self.groups)
+        return pack_groups(self.sources)
 
     def to_torch(self, device: Any = None) -> dict[str, Any]:
         """The padded arrays as torch tensors by name (on ``device`` if given).
@@ -115,9 +125,9 @@ class SyncBatch(BatchData):
 
 
 def build_batch(
-    groups: list[ScoredGroup], entries: list[EntryRef], acker: AsyncAcker, pad_token_id: int
+    groups: list[Group], entries: list[EntryRef], acker: AsyncAcker, pad_token_id: int
 ) -> Batch:
     """A ``Batch`` of ``groups`` (with their stream entries) acked through ``acker``."""
     padded = pad_groups(groups, pad_token_id)
     arrays = {f.name: getattr(padded, f.name) for f in fields(PaddedArrays)}
-    return Batch(**arrays, groups=tuple(groups), entries=tuple(entries), acker=acker)
+    return Batch(**arrays, sources=tuple(groups), entries=tuple(entries), acker=acker)

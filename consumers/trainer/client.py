@@ -69,7 +69,9 @@ from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.stats import TrainerStats
 from consumers.trainer.weights import PolicyPublisher
-from schemas import BrokerUnavailable, DecodeError, ScoredGroup, decode_scored
+from schemas import BrokerUnavailable, DecodeError
+from schemas.columns import ScoredColumns
+from schemas.decoding import decode_scored_columns
 from schemas.failures import decide
 from schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
 from schemas.outage import OutageRider
@@ -209,7 +211,7 @@ class TrainerClient:
         version = self._batch_version = await self.current_version()
         while True:
             await self._drop_stale(version)
-            count, full = size.fit([(len(h.group.trajectory.completions), _tokens(h.group))
+            count, full = size.fit([(h.group.num_sequences, h.group.num_tokens)
                                     for h in self._books.queue])
             remaining = None if deadline is None else deadline - time.monotonic()
             if full or (remaining is not None and remaining <= 0):
@@ -354,7 +356,7 @@ class TrainerClient:
         for entry, fields in zip(unique, fetched, strict=True):
             assert not isinstance(fields, str)
             try:
-                group = decode_scored(fields)
+                group = decode_scored_columns(fields)
             except DecodeError as exc:
                 raise ResumeError(f"entry {entry.entry_id} to replay: {exc}") from exc
             self._books.hold(Held(Delivery(entry.stream, entry.entry_id, {}), group,
@@ -417,13 +419,13 @@ class TrainerClient:
 
     async def _admit(self, deliveries: list[Delivery]) -> None:
         """Decode, dedup and queue deliveries."""
-        candidates: list[tuple[Delivery, ScoredGroup]] = []
+        candidates: list[tuple[Delivery, ScoredColumns]] = []
         for d in deliveries:
             if (d.stream, d.entry_id) in self._books.held:
                 continue  # already ours (queued, replaying, or in an unacked batch)
             try:
-                candidates.append((d, decode_scored(d.fields, run=self.run,
-                                                    vocab_size=self.settings.vocab_size)))
+                candidates.append((d, decode_scored_columns(
+                    d.fields, run=self.run, vocab_size=self.settings.vocab_size)))
             except Exception as exc:  # DecodeError, or a bug: either way this entry's
                 await self._reject(d, exc)
         recorded = await self._ledger.seen(
@@ -437,7 +439,7 @@ class TrainerClient:
                 unfinished.append(d)
             elif trained is not None or self._books.holds_group(group.group_id):
                 duplicates.append(d)
-            else:  # keep the decoded group, not the raw bytes
+            else:  # keep the decoded columns (they view the entry's bytes)
                 self._books.hold(Held(replace(d, fields={}), group, replay=False))
         if duplicates:
             await self.reader.drop(duplicates, "duplicate")
@@ -472,9 +474,3 @@ class TrainerClient:
         lettered = await self.reader.dead_letter(delivery, verdict.reason, verdict.detail)
         log.warning("entry_dead_lettered", stream=delivery.stream, entry_id=delivery.entry_id,
                     reason=verdict.reason, detail=verdict.detail, lettered=lettered)
-
-
-def _tokens(group: ScoredGroup) -> int:
-    prompt = len(group.trajectory.prompt_ids)
-    return sum(prompt + len(c.completion_ids) for c in group.trajectory.completions)
-

@@ -1,8 +1,9 @@
 """What a trainer client holds between Redis and the user's training step.
 
-A scored group, once read and decoded, is *held* until its batch is acked (or it is
-dropped or dead-lettered): first in the queue of groups ready for a batch, then in an
-unacked batch. ``Holdings`` keeps the one set of books the client consults:
+A scored group, once read and decoded (to its columns: ``schemas.columns``), is *held*
+until its batch is acked (or it is dropped or dead-lettered): first in the queue of groups
+ready for a batch, then in an unacked batch. ``Holdings`` keeps the one set of books the
+client consults:
 
 - ``queue``: held groups ready for a batch, in order;
 - ``held``: every held group by (stream, entry id), queued or in an unacked batch, so a
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from consumers.bus import Delivery
 from consumers.trainer.staleness import is_stale
-from schemas import ScoredGroup
+from schemas.columns import ScoredColumns
 
 SEEN_CACHE = 10_000
 """Recent acks remembered in memory (a fast path: the seen-set in Redis is the truth); small
@@ -38,10 +39,10 @@ Ref = tuple[str, str]
 @dataclass(eq=False)
 class Held:
     """A decoded group in the client's hands, with the delivery it came from (its fields
-    dropped: the decoded group is kept, not the raw bytes)."""
+    dropped: the decoded columns are kept, which view the entry's bytes)."""
 
     delivery: Delivery
-    group: ScoredGroup
+    group: ScoredColumns
     replay: bool
     """Re-delivered by ``load_state``: trained once already, acked again without a record."""
 

@@ -22,6 +22,7 @@ Pure functions, no I/O.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from schemas import ScoredGroup
+from schemas.columns import ScoredColumns
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]
@@ -125,16 +127,32 @@ class PackedBatch(_PerSequence):
         return arrays_to_torch(array_fields(self), device)
 
 
-def _per_sequence(groups: Sequence[ScoredGroup]) -> _PerSequence:
-    rewards, advantages, index, prompt_lengths, lengths = [], [], [], [], []
+Group = ScoredGroup | ScoredColumns
+"""What the layouts take: whole scored groups, or the decoded columns of their entries
+(``schemas.columns``, what ``TrainerClient`` holds: no per-completion models needed)."""
+
+
+def _per_sequence(groups: Sequence[Group]) -> _PerSequence:
+    rewards: list[float] = []
+    advantages: list[float] = []
+    index: list[int] = []
+    prompt_lengths: list[int] = []
+    lengths: list[int] = []
     for g, group in enumerate(groups):
-        p = len(group.trajectory.prompt_ids)
-        for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
-            rewards.append(score.reward)
-            advantages.append(score.advantage)
-            index.append(g)
-            prompt_lengths.append(p)
-            lengths.append(p + len(completion.completion_ids))
+        if isinstance(group, ScoredColumns):
+            p = len(group.trajectory.prompt_ids)
+            completions = group.trajectory.lengths
+            rewards += group.rewards.tolist()
+            advantages += group.advantages.tolist()
+        else:
+            p = len(group.trajectory.prompt_ids)
+            completions = [len(c.completion_ids) for c in group.trajectory.completions]
+            rewards += [score.reward for score in group.scores]
+            advantages += [score.advantage for score in group.scores]
+        n = len(completions)
+        index += [g] * n
+        prompt_lengths += [p] * n
+        lengths += [p + length for length in completions]
     return _PerSequence(
         rewards=np.asarray(rewards, np.float32),
         sequence_advantages=np.asarray(advantages, np.float32),
@@ -144,7 +162,36 @@ def _per_sequence(groups: Sequence[ScoredGroup]) -> _PerSequence:
     )
 
 
-def _write_tokens(groups: Sequence[ScoredGroup], starts: Sequence[int], ids: Int64Array,
+_Row = tuple[Any, Any, Any, Any, Any]
+"""One sequence's completion tokens: ids, loss mask, advantages (an array, or one value
+for the whole sequence), sampler logprobs, versions (an array, or one version)."""
+
+
+def _rows(group: Group) -> list[_Row]:
+    """The completion token arrays of each of ``group``'s sequences."""
+    rows: list[_Row] = []
+    if isinstance(group, ScoredColumns):
+        t = group.trajectory
+        token_advantages, token_versions = group.token_advantages, t.token_versions
+        sequence_advantages = group.advantages.tolist()
+        policy_versions = t.completion_versions()
+        for i, (a, b) in enumerate(itertools.pairwise(t.offsets)):
+            rows.append((
+                t.completion_ids[a:b], t.loss_mask[a:b],
+                sequence_advantages[i] if token_advantages is None else token_advantages[a:b],
+                t.logprobs[a:b],
+                policy_versions[i] if token_versions is None else token_versions[a:b]))
+        return rows
+    for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
+        advantage = score.token_advantages
+        stored = completion.token_versions
+        rows.append((completion.completion_ids, completion.loss_mask,
+                     advantage[0] if advantage.strides == (0,) else advantage,  # broadcast
+                     completion.logprobs, completion.policy_version if stored is None else stored))
+    return rows
+
+
+def _write_tokens(groups: Sequence[Group], starts: Sequence[int], ids: Int64Array,
                   loss: Float32Array, advantages: Float32Array, logprobs: Float32Array,
                   versions: Int32Array, width: int | None = None) -> None:
     """Write each sequence's tokens into flat arrays from its offset in ``starts``.
@@ -162,26 +209,21 @@ def _write_tokens(groups: Sequence[ScoredGroup], starts: Sequence[int], ids: Int
     for group in groups:
         prompt = group.trajectory.prompt_ids
         p = len(prompt)
+        rows = _rows(group)
         if width is not None and p:
             first = starts[i]
-            rows = len(group.scores)
-            ids[first:first + rows * width].reshape(rows, width)[:, :p] = prompt
-        for completion, score in zip(group.trajectory.completions, group.scores, strict=True):
+            ids[first:first + len(rows) * width].reshape(len(rows), width)[:, :p] = prompt
+        for completion_ids, loss_mask, token_advantages, token_logprobs, token_versions in rows:
             start = starts[i]
             begin = start + p
-            end = begin + len(completion.completion_ids)
+            end = begin + len(completion_ids)
             if width is None:
                 ids[start:begin] = prompt
-            ids[begin:end] = completion.completion_ids
-            loss[begin:end] = completion.loss_mask
-            token_advantages = score.token_advantages
-            if token_advantages.strides == (0,):  # schemas.broadcast: one value
-                advantages[begin:end] = token_advantages[0]
-            else:
-                advantages[begin:end] = token_advantages
-            logprobs[begin:end] = completion.logprobs
-            stored = completion.token_versions
-            versions[begin:end] = completion.policy_version if stored is None else stored
+            ids[begin:end] = completion_ids
+            loss[begin:end] = loss_mask
+            advantages[begin:end] = token_advantages
+            logprobs[begin:end] = token_logprobs
+            versions[begin:end] = token_versions
             i += 1
 
 
@@ -226,7 +268,7 @@ def _allocate(shape: tuple[int, ...], int64_arrays: int, *, zero_ids: bool = Tru
     return [ids, *filled], floats, take(np.int32, 4)
 
 
-def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedArrays:
+def pad_groups(groups: Sequence[Group], pad_token_id: int = 0) -> PaddedArrays:
     """Build the padded layout of ``groups``: their sequences in order, right-padded."""
     per_sequence = _per_sequence(groups)
     lengths = per_sequence.lengths
@@ -255,7 +297,7 @@ def pad_groups(groups: Sequence[ScoredGroup], pad_token_id: int = 0) -> PaddedAr
                         sampler_logprobs=logprobs, versions=versions)
 
 
-def pack_groups(groups: Sequence[ScoredGroup]) -> PackedBatch:
+def pack_groups(groups: Sequence[Group]) -> PackedBatch:
     """Build the packed layout of ``groups``: their sequences in order, back to back."""
     per_sequence = _per_sequence(groups)
     lengths = per_sequence.lengths

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 
-from schemas import ScoredGroup
+from schemas.columns import ScoredColumns
 from schemas.stats import VERSION_BOUNDS, Histogram
 
 
@@ -44,7 +44,7 @@ class TrainerStats:
         if len(self._handed) > 64:  # batches never acked (dropped by the caller)
             del self._handed[next(iter(self._handed))]
 
-    def acked(self, entries: Hashable, groups: Sequence[ScoredGroup], consumed: int) -> None:
+    def acked(self, entries: Hashable, groups: Sequence[ScoredColumns], consumed: int) -> None:
         """The batch of ``entries`` was acked; ``consumed`` of it counted by this ack."""
         handed = self._handed.pop(entries, None)
         if handed is not None:
@@ -55,6 +55,4 @@ class TrainerStats:
         self.batches += 1
         self.groups += len(groups)
         self.consumed += consumed
-        self.tokens += sum(len(g.trajectory.prompt_ids) * len(g.trajectory.completions)
-                           + sum(len(c.completion_ids) for c in g.trajectory.completions)
-                           for g in groups)
+        self.tokens += sum(g.num_tokens for g in groups)

@@ -10,7 +10,9 @@ import pytest
 
 from consumers.trainer import layout, pack_groups, pad_groups
 from consumers.trainer.batch import EntryRef, build_batch
-from schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup
+from schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup, encode
+from schemas.columns import ScoredColumns
+from schemas.decoding import decode_scored_columns
 
 
 def tiny_group() -> ScoredGroup:
@@ -130,9 +132,17 @@ def reference_rows(group: ScoredGroup, width: int, pad: int) -> dict[str, list[l
     return rows
 
 
+def as_columns(group: ScoredGroup) -> ScoredColumns:
+    """The group as a trainer holds it: its entry's bytes, decoded to columns."""
+    return decode_scored_columns(encode(group))
+
+
+@pytest.mark.parametrize("source", ["groups", "columns"])
 @pytest.mark.parametrize("large", [False, True], ids=["ufuncs", "row-writes"])
-def test_padded_layout_equals_a_token_by_token_reference(large: bool) -> None:
+def test_padded_layout_equals_a_token_by_token_reference(large: bool, source: str) -> None:
     # pad_groups leaves most of its block unzeroed: dirty freed memory must never show.
+    # From columns, the entry carries per-token versions (advantages) for every completion
+    # when one completion has its own, and none when none has: both ways of writing each.
     rng = np.random.default_rng(int(large))
     for trial in range(6):
         np.full(1 << 22, 7, np.int64)  # a dirty block freed just before: malloc reuses it
@@ -140,7 +150,8 @@ def test_padded_layout_equals_a_token_by_token_reference(large: bool) -> None:
                    for i in range(8)] if large else
                   [random_group(rng, f"g{trial}-{i}", 40) for i in range(int(rng.integers(1, 5)))])
         pad = int(rng.integers(0, 3))
-        p = pad_groups(groups, pad_token_id=pad)
+        laid: list[Any] = groups if source == "groups" else [as_columns(g) for g in groups]
+        p = pad_groups(laid, pad_token_id=pad)
         assert (p.input_ids.size >= layout._SMALL_PADDED) == large  # the path under test
         width = int(p.lengths.max())
         expected: dict[str, list[list[Any]]] = {}
@@ -150,7 +161,7 @@ def test_padded_layout_equals_a_token_by_token_reference(large: bool) -> None:
         for name, rows in expected.items():
             np.testing.assert_allclose(getattr(p, name), np.asarray(rows), rtol=1e-6,
                                        err_msg=f"{name}, trial {trial}")
-        k = pack_groups(groups)
+        k = pack_groups(laid)
         real = p.attention_mask.astype(bool)
         for name in expected:
             if name != "attention_mask":
