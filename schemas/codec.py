@@ -40,6 +40,7 @@ import orjson
 from pydantic import ValidationError
 
 from schemas.arrays import is_broadcast
+from schemas.columns import TrajectoryColumns
 from schemas.decoding import decode, decode_scored, decode_trajectory, scored_rewards
 from schemas.entry import (
     F32,
@@ -82,7 +83,7 @@ def _pack(arrays: list[np.ndarray[Any, Any]], dtype: np.dtype[Any]) -> bytes:
     return b"".join(np.ascontiguousarray(a, dtype=dtype).data for a in arrays)
 
 
-def _identity(group: TrajectoryGroup, kind: bytes) -> Fields:
+def _identity(group: TrajectoryGroup | TrajectoryColumns, kind: bytes) -> Fields:
     """The fields every group entry starts with: version, kind and the group's identity."""
     return {
         b"v": str(SCHEMA_VERSION).encode(),
@@ -166,7 +167,8 @@ def encode(message: StreamGroup, *, trajectory_id: str | None = None) -> Fields:
 
 
 def encode_scores(
-    trajectory: TrajectoryGroup, *, rewards: Sequence[float], advantages: Sequence[float],
+    trajectory: TrajectoryGroup | TrajectoryColumns, *, rewards: Sequence[float],
+    advantages: Sequence[float],
     token_advantages: Sequence[np.ndarray[Any, Any]],
     token_rewards: Sequence[np.ndarray[Any, Any] | None] | None,
     components: Sequence[Mapping[str, float | None]], weights: Mapping[str, float],
@@ -180,13 +182,19 @@ def encode_scores(
     A scorer writes its results straight into the wire form this way; every value is
     checked as ``encode`` checks it (finite numbers, one score and one token value per
     token of each completion, JSON that carries what it was given), raising
-    ``ContractError``.
+    ``ContractError``. ``trajectory`` may be the decoded columns of its entry
+    (``schemas.columns``): the reference form needs no models.
     """
+    if isinstance(trajectory, TrajectoryColumns):
+        lengths = trajectory.lengths
+    else:
+        lengths = [len(c.completion_ids) for c in trajectory.completions]
     if trajectory_id is not None:
         fields = _identity(trajectory, b"scored")
         fields[TRAJECTORY_REF] = trajectory_id.encode()
     else:
-        fields = _encode_trajectory(trajectory, b"scored")
+        group = trajectory.group() if isinstance(trajectory, TrajectoryColumns) else trajectory
+        fields = _encode_trajectory(group, b"scored")
     score_meta = {
         "components": list(components),
         "weights": weights,
@@ -194,7 +202,6 @@ def encode_scores(
         "reward_config": reward_config,
         "scored_at": scored_at,
     }
-    lengths = [len(c.completion_ids) for c in trajectory.completions]
     try:
         fields[b"score_meta"] = _dumps(score_meta)
         rewards_array = np.array(rewards, F32)

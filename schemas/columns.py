@@ -53,6 +53,14 @@ class TrajectoryColumns:
         return self.identity["group_id"]  # type: ignore[no-any-return]
 
     @property
+    def run(self) -> str:
+        return self.identity["run"]  # type: ignore[no-any-return]
+
+    @property
+    def env(self) -> str:
+        return self.identity["env"]  # type: ignore[no-any-return]
+
+    @property
     def policy_version(self) -> int:
         return self.identity["policy_version"]  # type: ignore[no-any-return]
 

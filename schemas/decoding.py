@@ -171,6 +171,15 @@ def decode(fields: Mapping[bytes, bytes], *, run: str | None = None,
     return decode_columns(fields, run=run, vocab_size=vocab_size).group()
 
 
+def decode_trajectory_columns(fields: Mapping[bytes, bytes], *, run: str | None = None,
+                              vocab_size: int | None = None) -> TrajectoryColumns:
+    """``decode_trajectory``'s checks, the values left unassembled (``TrajectoryColumns``)."""
+    columns = decode_columns(fields, run=run, vocab_size=vocab_size)
+    if not isinstance(columns, TrajectoryColumns):
+        raise DecodeError("expected a trajectory group, got kind 'scored'")
+    return columns
+
+
 def decode_scored_columns(fields: Mapping[bytes, bytes], *, run: str | None = None,
                           vocab_size: int | None = None) -> ScoredColumns:
     """``decode_scored``'s checks, the values left unassembled (``ScoredColumns``)."""

@@ -26,11 +26,13 @@ from schemas import (
     decode_trajectory,
     encode,
     encode_dead,
+    encode_scores,
     is_broadcast,
     join_trajectory,
     scored_rewards,
     trajectory_ref,
 )
+from schemas.decoding import decode_scored_columns, decode_trajectory_columns
 from tests.factories import make_group, score
 
 token_ids = st.integers(min_value=0, max_value=2**31 - 1)
@@ -271,6 +273,37 @@ def test_reference_form_joins_back_to_the_inline_form() -> None:
     assert all(joined[k] is traj_fields[k] for k in (b"meta", b"completion_ids"))  # no copy
     assert scored_rewards(fields) == scored_rewards(joined) == [s.reward for s in
                                                                score(group).scores]
+
+
+def test_columns_hold_what_decode_returns_and_encode_scores_takes_them() -> None:
+    group = make_group(group_size=3, tokens=5)
+    scored = score(group)
+    traj_columns = decode_trajectory_columns(encode(group))
+    assert encode(traj_columns.group()) == encode(decode_trajectory(encode(group))) == encode(group)
+    assert traj_columns.group() is traj_columns.group()  # assembled once
+    columns = decode_scored_columns(encode(scored))
+    assert encode(columns.group()) == encode(scored)
+    assert columns.group().model_dump() == scored.model_dump()
+    assert (columns.group_id, columns.policy_version, columns.num_sequences,
+            columns.num_tokens) == (group.group_id, group.policy_version, 3,
+                                    3 * len(group.prompt_ids) + 15)
+    assert columns.token_advantages is None  # a broadcast does not travel
+    with pytest.raises(DecodeError, match="expected a scored group"):
+        decode_scored_columns(encode(group))
+    with pytest.raises(DecodeError, match="expected a trajectory group"):
+        decode_trajectory_columns(encode(scored))
+    # the scorer's shortcut: the scores written from the columns, in both forms
+    values: dict[str, Any] = {
+        "rewards": [s.reward for s in scored.scores],
+        "advantages": [s.advantage for s in scored.scores],
+        "token_advantages": [s.token_advantages for s in scored.scores],
+        "token_rewards": None, "components": [s.components for s in scored.scores],
+        "weights": scored.weights, "flags": scored.flags,
+        "reward_config": scored.reward_config, "scored_at": scored.scored_at}
+    for trajectory_id in ("7-0", None):
+        assert (encode_scores(traj_columns, trajectory_id=trajectory_id, **values)
+                == encode_scores(group, trajectory_id=trajectory_id, **values)
+                == encode(scored, trajectory_id=trajectory_id))
 
 
 def test_join_refuses_another_groups_trajectory() -> None:

@@ -30,6 +30,7 @@ HTTP components get the whole read's samples at once.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -48,9 +49,10 @@ from schemas import (
     ScoredGroup,
     SequenceScore,
     TrajectoryGroup,
-    decode_trajectory,
     encode_scores,
 )
+from schemas.columns import TrajectoryColumns
+from schemas.decoding import decode_trajectory_columns
 from schemas.keys import partner_key
 
 log = structlog.get_logger("rollq.scorer")
@@ -104,13 +106,22 @@ class Scorer:
         """``transform_batch``: the ``Stage`` hands it each read whole (module docstring)."""
         return self.transform_batch
 
-    def samples(self, group: TrajectoryGroup) -> list[Sample]:
-        """The bridge's samples of a group's completions."""
+    def samples(self, group: TrajectoryGroup | TrajectoryColumns) -> list[Sample]:
+        """The bridge's samples of a group's completions (from its models, or from the
+        decoded columns of its entry: ``schemas.columns``)."""
+        make = self.bridge.make_sample
+        if isinstance(group, TrajectoryColumns):
+            meta, ids = group.meta, group.completion_ids
+            return [
+                make(text, ids[a:b], reasoning=info["reasoning"],
+                     finish_reason=info["finish_reason"], metadata=meta["metadata"],
+                     prompt=meta["prompt_text"], completion_metadata=info["info"])
+                for text, info, (a, b) in zip(group.texts, meta["completions"],
+                                              itertools.pairwise(group.offsets), strict=True)
+            ]
         return [
-            self.bridge.make_sample(
-                c.text, c.completion_ids, reasoning=c.reasoning, finish_reason=c.finish_reason,
-                metadata=group.metadata, prompt=group.prompt_text, completion_metadata=c.info,
-            )
+            make(c.text, c.completion_ids, reasoning=c.reasoning, finish_reason=c.finish_reason,
+                 metadata=group.metadata, prompt=group.prompt_text, completion_metadata=c.info)
             for c in group.completions
         ]
 
@@ -122,7 +133,7 @@ class Scorer:
                   mean_reward=sum(score.rewards) / len(score.rewards))
         return to_scored(group, score, self.config_name)
 
-    def entry(self, group: TrajectoryGroup, score: GroupScore,
+    def entry(self, group: TrajectoryGroup | TrajectoryColumns, score: GroupScore,
               trajectory_id: str) -> tuple[Fields, list[str]] | str:
         """What ``finish`` gives, as the scored stream's reference-form entry (and its
         flags) written straight from the scores: no ``ScoredGroup`` is built on the way
@@ -138,7 +149,7 @@ class Scorer:
             group, rewards=score.rewards, advantages=score.advantages.tolist(),
             token_advantages=score.token_advantages, token_rewards=score.token_rewards,
             components=[{name: score.components[name][i] for name in names}
-                        for i in range(len(group.completions))],
+                        for i in range(len(score.rewards))],
             weights=dict(score.weights), flags=flags, reward_config=self.config_name,
             scored_at=time.time(), trajectory_id=trajectory_id)
         return fields, flags
@@ -169,11 +180,11 @@ class Scorer:
     async def transform_batch(self, deliveries: Sequence[Delivery]) -> list[Outcome | Exception]:
         """Score a read's groups together; one result per delivery (see ``Stage``)."""
         results: list[Outcome | Exception | None] = [None] * len(deliveries)
-        decoded: list[tuple[int, TrajectoryGroup]] = []
+        decoded: list[tuple[int, TrajectoryColumns]] = []
         samples: list[list[Sample]] = []
         for index, delivery in enumerate(deliveries):
-            try:
-                group = decode_trajectory(delivery.fields)
+            try:  # checked in full, not assembled into models: none is needed on the way
+                group = decode_trajectory_columns(delivery.fields)
                 samples.append(self.samples(group))
                 decoded.append((index, group))
             except Exception as exc:  # the Stage sorts it (decode_error, or a bug)
