@@ -192,19 +192,13 @@ def decode_scored_columns(fields: Mapping[bytes, bytes], *, run: str | None = No
 def decode_trajectory(fields: Mapping[bytes, bytes], *, run: str | None = None,
                       vocab_size: int | None = None) -> TrajectoryGroup:
     """Decode an entry that must be a trajectory group (``decode``'s checks)."""
-    message = decode(fields, run=run, vocab_size=vocab_size)
-    if not isinstance(message, TrajectoryGroup):
-        raise DecodeError(f"expected a trajectory group, got kind {message.kind!r}")
-    return message
+    return decode_trajectory_columns(fields, run=run, vocab_size=vocab_size).group()
 
 
 def decode_scored(fields: Mapping[bytes, bytes], *, run: str | None = None,
                   vocab_size: int | None = None) -> ScoredGroup:
     """Decode an entry that must be a scored group (``decode``'s checks)."""
-    message = decode(fields, run=run, vocab_size=vocab_size)
-    if not isinstance(message, ScoredGroup):
-        raise DecodeError(f"expected a scored group, got kind {message.kind!r}")
-    return message
+    return decode_scored_columns(fields, run=run, vocab_size=vocab_size).group()
 
 
 def scored_rewards(fields: Mapping[bytes, bytes]) -> list[float]:
