@@ -82,6 +82,7 @@ from schemas import (
     decode_scored,
     encode,
 )
+from schemas.decoding import decode_scored_columns
 from schemas.keys import stream_key
 
 RUN = "benchtrainer"
@@ -225,19 +226,30 @@ def pct(values: Sequence[float], q: float) -> float:
 
 
 def component_costs(payloads: list[Fields], batch_groups: int,
-                    repeat: int = 5) -> dict[str, float]:
-    """Serial ms of the pieces of a next_batch: decode one group, pad one batch."""
-    decoded = [decode_scored(f) for f in payloads]
-    started = time.perf_counter()
-    for _ in range(repeat):
-        for f in payloads:
-            decode_scored(f)
-    decode_ms = (time.perf_counter() - started) / (repeat * len(payloads)) * 1e3
-    started = time.perf_counter()
-    for _ in range(repeat):
-        pad_groups(decoded[:batch_groups])
-    pad_ms = (time.perf_counter() - started) / repeat * 1e3
-    return {"decode_scored per group": decode_ms, f"pad_groups of {batch_groups} groups": pad_ms}
+                    repeat: int = 5) -> dict[str, str]:
+    """Serial ms of the pieces of a next_batch, as the client does them: decode one group
+    (every check; its columns kept), pad one batch from the columns; and, for context,
+    ``decode_scored`` (the same checks, then the models ``Batch.groups`` assembles when
+    read) and the padding of the same batch from models."""
+
+    def timed(work: Callable[[], Any], per: int) -> str:
+        started = time.perf_counter()
+        for _ in range(repeat):
+            work()
+        return f"{(time.perf_counter() - started) / (repeat * per) * 1e3:.3f}"
+
+    columns = [decode_scored_columns(f) for f in payloads]
+    models = [c.group() for c in columns]
+    batch = columns[:batch_groups]
+    return {
+        "decode to columns, per group": timed(
+            lambda: [decode_scored_columns(f) for f in payloads], len(payloads)),
+        f"pad_groups of {batch_groups} groups (columns)": timed(lambda: pad_groups(batch), 1),
+        "decode_scored (columns, then models), per group": timed(
+            lambda: [decode_scored(f) for f in payloads], len(payloads)),
+        f"pad_groups of {batch_groups} groups (models)": timed(
+            lambda: pad_groups(models[:batch_groups]), 1),
+    }
 
 
 # -------------------------------------------------------------------------- (b) end to end
@@ -386,7 +398,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
             rng = np.random.default_rng(1)
             warm_groups = make_groups(job.batch_groups, shape.group_size, shape.seq_len,
                                       shape.prompt_len, shape.short_text)
-            pad_groups([decode_scored(encode(grpo_scored(g, rng))) for g in warm_groups])
+            pad_groups([decode_scored_columns(encode(grpo_scored(g, rng))) for g in warm_groups])
             async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
                 report_ready(messages, job.role)
                 start.wait()
