@@ -126,8 +126,9 @@ class ScoredColumns:
         return len(self.trajectory.lengths)
 
     @property
-    def num_tokens(self) -> int:
-        """Prompt + completion tokens over the group's sequences (the prompt once each)."""
+    def sequence_tokens(self) -> int:
+        """Prompt + completion tokens over the group's sequences, the prompt counted once
+        per sequence (``TrajectoryGroup.num_tokens`` counts completion tokens only)."""
         trajectory = self.trajectory
         return len(trajectory.prompt_ids) * len(trajectory.lengths) + trajectory.offsets[-1]
 

@@ -285,7 +285,7 @@ def test_columns_hold_what_decode_returns_and_encode_scores_takes_them() -> None
     assert encode(columns.group()) == encode(scored)
     assert columns.group().model_dump() == scored.model_dump()
     assert (columns.group_id, columns.policy_version, columns.num_sequences,
-            columns.num_tokens) == (group.group_id, group.policy_version, 3,
+            columns.sequence_tokens) == (group.group_id, group.policy_version, 3,
                                     3 * len(group.prompt_ids) + 15)
     assert columns.token_advantages is None  # a broadcast does not travel
     with pytest.raises(DecodeError, match="expected a scored group"):

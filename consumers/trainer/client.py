@@ -211,7 +211,7 @@ class TrainerClient:
         version = self._batch_version = await self.current_version()
         while True:
             await self._drop_stale(version)
-            count, full = size.fit([(h.group.num_sequences, h.group.num_tokens)
+            count, full = size.fit([(h.group.num_sequences, h.group.sequence_tokens)
                                     for h in self._books.queue])
             remaining = None if deadline is None else deadline - time.monotonic()
             if full or (remaining is not None and remaining <= 0):

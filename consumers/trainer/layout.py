@@ -139,13 +139,12 @@ def _per_sequence(groups: Sequence[Group]) -> _PerSequence:
     prompt_lengths: list[int] = []
     lengths: list[int] = []
     for g, group in enumerate(groups):
+        p = len(group.trajectory.prompt_ids)
         if isinstance(group, ScoredColumns):
-            p = len(group.trajectory.prompt_ids)
             completions = group.trajectory.lengths
             rewards += group.rewards.tolist()
             advantages += group.advantages.tolist()
         else:
-            p = len(group.trajectory.prompt_ids)
             completions = [len(c.completion_ids) for c in group.trajectory.completions]
             rewards += [score.reward for score in group.scores]
             advantages += [score.advantage for score in group.scores]

@@ -55,4 +55,4 @@ class TrainerStats:
         self.batches += 1
         self.groups += len(groups)
         self.consumed += consumed
-        self.tokens += sum(g.num_tokens for g in groups)
+        self.tokens += sum(g.sequence_tokens for g in groups)
