@@ -72,6 +72,29 @@ def test_math_answer_region_needs_closing_delimiter() -> None:
     assert score_accuracy(closed, "$3$", kind="math", answer_region="answer") == 1.0
 
 
+def test_a_gold_is_parsed_once_for_all_completions_checked_against_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import math_verify
+
+    parsed: list[str] = []
+    real_parse = math_verify.parse
+
+    def counting_parse(pred: str, *args: Any, **kwargs: Any) -> Any:
+        parsed.append(pred)
+        return real_parse(pred, *args, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", counting_parse)
+    gold = "$\\frac{7}{13}$"  # used by no other test: the memo lives as long as the process
+    texts = ["so \\boxed{\\frac{7}{13}}", "so \\boxed{\\frac{14}{26}}", "so \\boxed{7}"]
+    assert [score_accuracy(text, gold, kind="math") for text in texts] == [1.0, 1.0, 0.0]
+    assert parsed.count(gold) == 1
+    assert [pred for pred in parsed if pred != gold] == texts  # every completion is parsed
+    # A gold that does not parse is not remembered as unparseable: it is tried each time.
+    for _ in range(2):
+        assert score_accuracy("so \\boxed{2}", "no answer in here", kind="math") is None
+    assert parsed.count("no answer in here") == 2
+
+
 # --- accuracy (gsm8k) -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("text", "gold", "expected"), [
