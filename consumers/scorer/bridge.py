@@ -50,6 +50,11 @@ from consumers.scorer.traces import extract_reasoning
 
 _RETRY_BACKOFF_S = 0.05
 """Pause before a failed component call's first retry (seconds); doubled per retry."""
+POOL_CALL_SAMPLES = 8
+"""Samples a pooled component scores per pool call. Each call costs a pipe round trip and
+a wake-up of both processes, about 0.2 ms of CPU on each side: as much as a math-verify
+check of a completion. ``bench.scorer`` (r1, 16 completions a group, 2 workers): 89
+groups/s a call per sample, 115 with 4 samples a call, 133 with 8."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +249,12 @@ class RewardBridge:
         batch = [sample for group in groups for sample in group]
         placement = self._placement(entry, component)
         started = time.perf_counter()
-        for group_index, group in enumerate(groups):
+        if placement == "process":  # every group's calls at once: the workers never wait
+            outcome.scores = list(await asyncio.gather(*(
+                self._pooled(entry, component, outcome, group_index, group,
+                             batch if component.population == "batch" else group)
+                for group_index, group in enumerate(groups))))
+        for group_index, group in enumerate(groups if placement != "process" else ()):
             population = batch if component.population == "batch" else group
             if placement == "inline":
                 scores = []
@@ -264,6 +274,47 @@ class RewardBridge:
             outcome.scores.append(scores)
         outcome.seconds = time.perf_counter() - started
         return outcome
+
+    async def _pooled(self, entry: ComponentEntry, component: RewardComponent[Any],
+                      outcome: _Outcome, group_index: int, group: Sequence[Sample],
+                      population: Sequence[Sample]) -> list[Score]:
+        """A pooled component's scores of one group, `POOL_CALL_SAMPLES` samples a pool
+        call (`WorkerPool.run_each`). A call of several samples that fails as a whole
+        (its timeout, `timeout_s` per sample, runs out; its worker dies) is no sample's
+        fault yet and costs none of them a try: each is called again alone, as without
+        chunks, so a sample that hangs or kills its worker is found alone and the others
+        score. A sample that raised, or returned a bad score, goes on to its retries."""
+        assert self._pool is not None
+        pool = self._pool
+        shipped = [_shippable(s) for s in population] if component.uses_group else ()
+
+        async def chunk(first: int) -> list[Score]:
+            indices = range(first, min(first + POOL_CALL_SAMPLES, len(group)))
+            if len(indices) == 1:  # its own call: a failure of the call is the sample's
+                return [await self._call(entry, component, "process", outcome, group_index,
+                                         first, group[first], population)]
+            try:
+                results = await pool.run_each(
+                    component.evaluate, [_shippable(group[i]) for i in indices], shipped,
+                    timeout_s=entry.timeout_s * len(indices))
+            except Exception:  # the call as a whole: each sample again, alone
+                return list(await asyncio.gather(*(
+                    self._call(entry, component, "process", outcome, group_index, i,
+                               group[i], population) for i in indices)))
+            scores: list[Score] = []
+            for i, result in zip(indices, results, strict=True):
+                try:
+                    if isinstance(result, ScoringError):
+                        raise result
+                    scores.append(_checked(result, len(group[i].completion_ids)))
+                except Exception as exc:
+                    scores.append(await self._retry(entry, component, "process", outcome,
+                                                    group_index, i, group[i], population, exc))
+            return scores
+
+        chunks = await asyncio.gather(*(chunk(first)
+                                        for first in range(0, len(group), POOL_CALL_SAMPLES)))
+        return [score for scores in chunks for score in scores]
 
     async def _call(self, entry: ComponentEntry, component: RewardComponent[Any],
                     placement: str, outcome: _Outcome, group_index: int, index: int,

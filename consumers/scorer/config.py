@@ -80,10 +80,12 @@ class ComponentEntry(BaseModel):
       The old `zero` policy is rejected: a failure is not a wrong answer.
     - `retries`: in-process retries of a failed call before `on_error` applies (0–5;
       default 1), after a short back-off (0.05 s, doubled per retry).
-    - `timeout_s`: seconds per call, enforced for pool and async components (inline
-      components are cheap by contract and are timed, not interrupted). A timeout is a
-      failure like an exception; a component that wants "too slow" to score 0 (e.g. a
-      candidate's code running too long) must enforce that itself and return 0.
+    - `timeout_s`: seconds per sample, enforced for pool and async components (inline
+      components are cheap by contract and are timed, not interrupted). A pool call of
+      several samples gets `timeout_s` for each; when it runs out, each sample is called
+      again alone with its own `timeout_s`. A timeout is a failure like an exception; a
+      component that wants "too slow" to score 0 (e.g. a candidate's code running too
+      long) must enforce that itself and return 0.
     - `run_in`: force `inline` or `process` placement (default: the component decides).
     """
 

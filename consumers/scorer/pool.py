@@ -56,10 +56,25 @@ def _run_task(task: tuple[Callable[..., Any], tuple[Any, ...]]) -> bytes:
     try:
         return bytes(ForkingPickler.dumps((True, function(*args))))
     except Exception as exc:
-        # Exceptions travel as text: not every exception class survives unpickling.
-        reason = getattr(exc, "reason", "error")
-        return bytes(ForkingPickler.dumps((False, reason if isinstance(reason, str) else "error",
-                                           f"{type(exc).__name__}: {exc}")))
+        return bytes(ForkingPickler.dumps(_failure(exc)))
+
+
+def _failure(exc: Exception) -> tuple[bool, str, str]:
+    # Exceptions travel as text: not every exception class survives unpickling.
+    reason = getattr(exc, "reason", "error")
+    return False, reason if isinstance(reason, str) else "error", f"{type(exc).__name__}: {exc}"
+
+
+def _each(function: Callable[..., Any], items: Sequence[Any],
+          args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """`run_each`'s task: per item, `(True, function(item, *args))` or `_failure`."""
+    replies: list[tuple[Any, ...]] = []
+    for item in items:
+        try:
+            replies.append((True, function(item, *args)))
+        except Exception as exc:
+            replies.append(_failure(exc))
+    return replies
 
 
 def _context(method: StartMethod) -> SpawnContext | ForkServerContext | ForkContext:
@@ -99,7 +114,7 @@ class WorkerPool:
     `function(*args)` in a free worker (both must be picklable), raising TimeoutError past
     `timeout_s` seconds (the worker is then replaced) and `ScoringError` when the function
     raised (reason taken from the exception's `reason` attribute, else "error") or the
-    worker died ("worker_died").
+    worker died ("worker_died"). `run_each` makes several such calls in one.
     """
 
     def __init__(self, workers: int, *, start_method: StartMethod = "spawn",
@@ -168,6 +183,17 @@ class WorkerPool:
         if reply[0]:
             return cast(ResultT, reply[1])
         raise ScoringError(reply[1], reply[2])
+
+    async def run_each(self, function: Callable[..., ResultT], items: Sequence[Any], *args: Any,
+                       timeout_s: float) -> list[ResultT | ScoringError]:
+        """`function(item, *args)` for each of `items`, all in ONE call to a free worker:
+        one pipe round trip and one wake-up of each side for all of them. Per item, its
+        result, or the `ScoringError` it raised (as `run` raises it). The call as a whole
+        fails as `run` fails: TimeoutError past `timeout_s` seconds for all the items
+        together (the worker is then replaced), `ScoringError` when the worker died."""
+        replies = await self.run(_each, function, items, args, timeout_s=timeout_s)
+        return [cast(ResultT, reply[1]) if reply[0] else ScoringError(reply[1], reply[2])
+                for reply in replies]
 
     async def _start(self) -> None:
         parent_end, child_end = self._context.Pipe()

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from consumers.bus import ReaderSettings, StreamReader
 from consumers.scorer import RewardBridge, RewardConfig, ScoringError
+from consumers.scorer import bridge as bridge_module
 from consumers.scorer.consumer import Scorer
 from consumers.stage import Stage
 from producers.publisher import Publisher
@@ -136,8 +137,9 @@ async def wait_for_pid(marker: Path, timeout_s: float = 60.0) -> int:
 
 @pytest.mark.parametrize("retries", [0, 1])
 async def test_a_killed_pool_process_is_replaced_and_its_call_is_a_failure(
-    tmp_path: Path, retries: int
+    tmp_path: Path, retries: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(bridge_module, "POOL_CALL_SAMPLES", 1)  # a call of its own
     marker = tmp_path / "pid"
     entry = {"name": "nap", "component": f"{CUSTOM}:NapOnce", "retries": retries,
              "timeout_s": 60, "settings": {"marker": str(marker)}}
@@ -154,6 +156,34 @@ async def test_a_killed_pool_process_is_replaced_and_its_call_is_a_failure(
         assert bridge._pool is not None and bridge._pool.replaced == 1
         again = await bridge.score_group([make_sample("nap"), make_sample("abc")])
         assert again.components["nap"] == [3.0, 3.0]  # the pool lives on
+
+
+async def test_a_pool_call_of_several_samples_that_dies_is_made_again_one_sample_a_call(
+        tmp_path: Path) -> None:
+    # The call died as a whole: none of its samples is to blame yet, so none has used a
+    # try. Each is called again alone (no retries configured) and scores.
+    marker = tmp_path / "pid"
+    entry = {"name": "nap", "component": f"{CUSTOM}:NapOnce", "retries": 0,
+             "timeout_s": 60, "settings": {"marker": str(marker)}}
+    texts = ["a", "nap", "abc", "ab", "abcd"]
+    assert len(texts) > bridge_module.POOL_CALL_SAMPLES > 1
+    async with RewardBridge(config(entry, pool={"workers": 1})) as bridge:
+        call = asyncio.create_task(bridge.score_group([make_sample(t) for t in texts]))
+        os.kill(await wait_for_pid(marker), signal.SIGKILL)
+        result = await call
+        assert result.components["nap"] == [1.0, 3.0, 3.0, 2.0, 4.0] and result.flags == ()
+        assert bridge._pool is not None and bridge._pool.replaced == 1
+
+
+async def test_a_sample_that_raises_in_a_pool_call_fails_alone(tmp_path: Path) -> None:
+    entry = {"name": "boom", "component": f"{CUSTOM}:Boom", "run_in": "process",
+             "retries": 0, "on_error": "skip_component"}
+    texts = ["ok", "boom", "okay", "fine"]
+    async with RewardBridge(config(entry, pool={"workers": 1})) as bridge:
+        result = await bridge.score_group([make_sample(t) for t in texts])
+    assert result.components["boom"][1] is None
+    assert [value is not None for value in result.components["boom"]] == [True, False, True, True]
+    assert result.flag_counts() == {"boom:error": 1}
 
 
 # -- under the stage ----------------------------------------------------------------------
