@@ -2,8 +2,8 @@
 values into one reward per completion, and turn the rewards into advantages.
 
 Placement: cheap components run inline on the event loop; CPU-heavy ones (math-verify)
-run in a `WorkerPool` with a per-call timeout, so the loop never blocks on sympy; I/O
-components (a process reward model) are awaited with the same timeout.
+run in a `WorkerPool`, several samples a call, with a timeout per sample, so the loop never
+blocks on sympy; I/O components (a process reward model) are awaited with the same timeout.
 
 A reward failure is never a score. A component call that raises, times out or loses its
 pool process is tried again `retries` times (short back-off); if it still fails, the
@@ -254,7 +254,9 @@ class RewardBridge:
                 self._pooled(entry, component, outcome, group_index, group,
                              batch if component.population == "batch" else group)
                 for group_index, group in enumerate(groups))))
-        for group_index, group in enumerate(groups if placement != "process" else ()):
+            outcome.seconds = time.perf_counter() - started
+            return outcome
+        for group_index, group in enumerate(groups):
             population = batch if component.population == "batch" else group
             if placement == "inline":
                 scores = []

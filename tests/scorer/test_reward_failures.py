@@ -19,6 +19,7 @@ from consumers.bus import ReaderSettings, StreamReader
 from consumers.scorer import RewardBridge, RewardConfig, ScoringError
 from consumers.scorer import bridge as bridge_module
 from consumers.scorer.consumer import Scorer
+from consumers.scorer.pool import WorkerPool
 from consumers.stage import Stage
 from producers.publisher import Publisher
 from schemas import decode_dead
@@ -158,10 +159,20 @@ async def test_a_killed_pool_process_is_replaced_and_its_call_is_a_failure(
         assert again.components["nap"] == [3.0, 3.0]  # the pool lives on
 
 
+async def test_run_each_answers_each_item_in_one_call() -> None:
+    async with WorkerPool(1) as pool:
+        results = await pool.run_each(int, ["1", "x", "30"], timeout_s=30)
+        assert results[0] == 1 and results[2] == 30
+        assert isinstance(results[1], ScoringError) and results[1].reason == "error"
+        assert "ValueError" in str(results[1])
+        assert pool.replaced == 0  # an item that raised does not cost the worker
+
+
 async def test_a_pool_call_of_several_samples_that_dies_is_made_again_one_sample_a_call(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The call died as a whole: none of its samples is to blame yet, so none has used a
     # try. Each is called again alone (no retries configured) and scores.
+    monkeypatch.setattr(bridge_module, "POOL_CALL_SAMPLES", 4)
     marker = tmp_path / "pid"
     entry = {"name": "nap", "component": f"{CUSTOM}:NapOnce", "retries": 0,
              "timeout_s": 60, "settings": {"marker": str(marker)}}
