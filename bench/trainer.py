@@ -34,6 +34,14 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     runs from the first publish (XADD) to the last ack (``time.monotonic``, system-wide
     on Linux); client CPU is the sum of the role processes' CPU time.
 
+(c) each role alone, the shapes of (b): in this process, one after the other, the
+    publisher fills the traj stream, the scorer stage scores all of it, the trainer trains
+    all of it (as in (b)); raw's producer fills its stream, its consumer reads it. Per role:
+    its CPU, redis-server's CPU and the wall time per group, and the rate it runs at alone.
+    What (b)'s ratio is made of: the CPU every role and Redis spend on a group together
+    (what bounds a run on cores that all roles share), and the slowest role's rate alone
+    (what bounds a run where each role has a core of its own and Redis is idle).
+
 Run from the repository root:  python -m bench.trainer  [--runs 3 ...]
 """
 
@@ -83,6 +91,7 @@ from schemas import (
     encode,
 )
 from schemas.decoding import decode_scored_columns
+from schemas.heap import freeze_heap
 from schemas.keys import stream_key
 
 RUN = "benchtrainer"
@@ -255,6 +264,15 @@ def component_costs(payloads: list[Fields], batch_groups: int,
 # -------------------------------------------------------------------------- (b) end to end
 
 
+async def train_all(tc: TrainerClient, total: int, batch_groups: int) -> None:
+    """``next_batch`` + ``ack`` until ``total`` groups are trained."""
+    consumed = 0
+    while consumed < total:
+        batch = await tc.next_batch(groups=min(batch_groups, total - consumed))
+        await batch.ack()
+        consumed += len(batch)
+
+
 async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridge,
                     config: RewardConfig, batch_groups: int) -> Result:
     """Publisher -> Stage(Scorer) -> TrainerClient, concurrently; wall from first publish
@@ -279,11 +297,7 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridg
                 await publisher.publish(group)
 
         async def train(tc: TrainerClient) -> float:
-            consumed = 0
-            while consumed < total:
-                batch = await tc.next_batch(groups=min(batch_groups, total - consumed))
-                await batch.ack()
-                consumed += len(batch)
+            await train_all(tc, total, batch_groups)
             return time.monotonic()
 
         async with TrainerClient(trainer_client, run=RUN, consumer="bench",
@@ -403,11 +417,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
                 report_ready(messages, job.role)
                 start.wait()
                 cpu = time.process_time()
-                consumed = 0
-                while consumed < total:
-                    batch = await tc.next_batch(groups=min(job.batch_groups, total - consumed))
-                    await batch.ack()
-                    consumed += len(batch)
+                await train_all(tc, total, job.batch_groups)
                 report["last"] = time.monotonic()
         elif job.role == "consume":
             await client.xgroup_create(RAW_TRAJ, "g", id="0", mkstream=True)
@@ -509,6 +519,109 @@ async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: 
     return results
 
 
+# ------------------------------------------------------------------------ (c) each role alone
+
+
+@dataclass
+class RoleCost:
+    """One role's run over a stream the role before it filled."""
+
+    client_s: float
+    """CPU seconds of this process (the role alone runs in it)."""
+    redis_s: float
+    """CPU seconds of redis-server over the run."""
+    wall_s: float
+
+
+async def _timed(url: str, work: Callable[[], Coroutine[Any, Any, Any]]) -> RoleCost:
+    redis_before = await redis_cpu(url)
+    cpu, wall = time.process_time(), time.perf_counter()
+    await work()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return RoleCost(cpu, await redis_cpu(url) - redis_before, wall)
+
+
+async def roles_alone(url: str, shape: Shape, bridge: RewardBridge, config: RewardConfig,
+                      batch_groups: int, read_batch: int) -> dict[str, RoleCost]:
+    """Each role of (b) on its own, one after the other, in this process: the publisher
+    fills the traj stream, then the scorer stage scores all of it, then the trainer trains
+    all of it; raw's producer fills its stream, then its consumer reads it. Nothing else
+    runs meanwhile, so each role's CPU is its own and redis-server has the other core."""
+    groups = make_groups(shape.groups, shape.group_size, shape.seq_len, shape.prompt_len,
+                         shape.short_text)
+    payloads = [encode(g) for g in groups]
+    total = len(groups)
+    client = _client(url)
+    costs: dict[str, RoleCost] = {}
+    try:
+        await client.flushall()
+        publisher = Publisher(client, RUN)
+        await publisher.register()
+        reader = StreamReader(client, [TRAJ], "scorers", "scorer-bench",
+                              ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+        await reader.ensure_groups()
+        done = asyncio.Event()
+        stage = _StageUntil(total, done, reader, Scorer(bridge, config_fingerprint(config),
+                                                        client),
+                            concurrency=SCORER_CONCURRENCY)
+        settings = TrainerClientSettings(batch_groups=batch_groups, block_ms=100,
+                                         max_staleness=None)
+        gc.collect()
+
+        async def publish() -> None:
+            for group in groups:
+                await publisher.publish(group)
+
+        async def produce() -> None:
+            for fields in payloads:
+                await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
+
+        costs["rollq publisher"] = await _timed(url, publish)
+        costs["rollq scorer stage"] = await _timed(url, lambda: stage.run(done))
+        async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
+            costs["rollq trainer"] = await _timed(url, lambda: train_all(tc, total,
+                                                                         batch_groups))
+        costs["raw producer"] = await _timed(url, produce)
+        await client.xgroup_create(RAW_TRAJ, "g", id="0")
+        costs["raw consumer"] = await _timed(url, lambda: _raw_consume(
+            client, RAW_TRAJ, "g", total, read_batch))
+    finally:
+        await client.aclose()
+    return costs
+
+
+async def part_c(url: str, args: argparse.Namespace) -> list[str]:
+    config = RewardConfig.from_mapping(REWARD)
+    lines = []
+    async with RewardBridge(config) as bridge:
+        freeze_heap()  # as every role process of (b) does once set up
+        for shape in _shapes(args):
+            runs = [await roles_alone(url, shape, bridge, config, args.batch_groups,
+                                      args.read_batch) for _ in range(args.runs)]
+            n = shape.groups
+            ms = {role: {part: median_of(getattr(run[role], part) / n * 1e3 for run in runs)
+                         for part in ("client_s", "redis_s", "wall_s")} for role in runs[0]}
+            rows = [[role, f"{c['client_s']:.3f}", f"{c['redis_s']:.3f}", f"{c['wall_s']:.3f}",
+                     f"{1e3 / c['wall_s']:,.0f}"] for role, c in ms.items()]
+            print_table(["role, alone", "client CPU ms/group", "redis CPU ms/group",
+                         "wall ms/group", "groups/s alone"], rows,
+                        title=f"(c) each role alone on a filled stream, {shape.label} groups, "
+                              f"{n} per run, median of {args.runs} runs")
+            together = {side: sum(c["client_s"] + c["redis_s"] for role, c in ms.items()
+                                  if role.startswith(side)) for side in ("rollq", "raw")}
+            slowest = max((role for role in ms if role.startswith("rollq")),
+                          key=lambda role: ms[role]["wall_s"])
+            cpus = os.cpu_count() or 1
+            lines.append(
+                f"(c) {shape.label}: CPU per group, every role and redis-server together: "
+                f"rollq {together['rollq']:.2f} ms, raw {together['raw']:.2f} ms "
+                f"({together['raw'] / together['rollq']:.2f} of rollq's); rollq on {cpus} "
+                f"shared cores, every one busy: at most {cpus * 1e3 / together['rollq']:,.0f} "
+                f"groups/s; alone, the slowest rollq role ({slowest}) runs "
+                f"{1e3 / ms[slowest]['wall_s']:,.0f} groups/s")
+    return lines
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -530,7 +643,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64, help="(b) small shape: tokens")
     parser.add_argument("--read-batch", type=int, default=16,
                         help="(b) raw XREADGROUP COUNT (default 16, as the scorer's)")
-    parser.add_argument("--only", choices=["a", "b"], help="run one part only")
+    parser.add_argument("--only", choices=["a", "b", "c"], help="run one part only")
     parser.add_argument("--processes", action="store_true",
                         help="(b) also run each role in its own OS process (spawn), as "
                              "deployed: rollq publisher / scorer stage / trainer, and raw "
@@ -597,14 +710,19 @@ def _baseline(variant: str) -> str:
     return "raw/procs" if variant.endswith("/procs") else "raw"
 
 
-async def part_b(url: str, args: argparse.Namespace) -> list[str]:
-    config = RewardConfig.from_mapping(REWARD)
+def _shapes(args: argparse.Namespace) -> list[Shape]:
+    """The shapes of (b) and (c): the small one, then 16 x 2048 unless ``--big-groups 0``."""
     shapes = [Shape(args.group_size, args.seq_len, 32, True, args.groups)]
     if args.big_groups:
         shapes.append(Shape(16, 2048, 256, False, args.big_groups))
+    return shapes
+
+
+async def part_b(url: str, args: argparse.Namespace) -> list[str]:
+    config = RewardConfig.from_mapping(REWARD)
     lines = []
     async with RewardBridge(config) as bridge:
-        for shape in shapes:
+        for shape in _shapes(args):
             results = await e2e(url, shape, args.runs, args.batch_groups, args.read_batch,
                                 bridge, config, args.profile, args.processes)
             print()
@@ -653,6 +771,8 @@ async def main_async(args: argparse.Namespace) -> int:
             lines += await part_a(server.url, args)
         if args.only in (None, "b"):
             lines += await part_b(server.url, args)
+        if args.only in (None, "c"):
+            lines += await part_c(server.url, args)
     for line in lines:
         print(line)
     return 0
