@@ -45,8 +45,16 @@ import redis.asyncio as aioredis
 from bench.bus import Result, run_raw
 from bench.common import BenchRedis, median_of, payload_bytes, print_table
 from bench.scorer import _sentence, make_problem
-from bench.trainer import RUN, SCORED, SCORER_CONCURRENCY, TRAJ, pct, run_rollq
-from consumers.bus import ReaderSettings, StreamReader
+from bench.trainer import (
+    RUN,
+    SCORED,
+    SCORER_CONCURRENCY,
+    TRAJ,
+    pct,
+    publish_all,
+    run_rollq,
+    scorer_reader,
+)
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
@@ -142,12 +150,10 @@ async def publish_and_score(url: str, groups: list[TrajectoryGroup], bridge: Rew
         await redis.flushall()
         publisher = Publisher(redis, RUN)
         await publisher.register()
-        reader = StreamReader(redis, [TRAJ], "scorers", "scorer-bench",
-                              ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+        reader = scorer_reader(redis)
         await reader.ensure_groups()
         base = await used_memory(redis)
-        for group in groups:
-            await publisher.publish(group)
+        await publish_all(publisher, groups)
         published = await used_memory(redis)
         traj = await stream_memory(redis, TRAJ)
         stage = Stage(reader, Scorer(bridge, config_fingerprint(config), redis),

@@ -264,6 +264,19 @@ def component_costs(payloads: list[Fields], batch_groups: int,
 # -------------------------------------------------------------------------- (b) end to end
 
 
+def scorer_reader(client: aioredis.Redis) -> StreamReader:
+    """The scorer stage's reader of the run's traj stream, as ``ops.roles.run_scorer``
+    sizes it (``count`` = the stage's concurrency)."""
+    return StreamReader(client, [TRAJ], "scorers", "scorer-bench",
+                        ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+
+
+async def publish_all(publisher: Publisher, groups: Sequence[TrajectoryGroup]) -> None:
+    """``Publisher.publish`` each group, one after the other."""
+    for group in groups:
+        await publisher.publish(group)
+
+
 async def train_all(tc: TrainerClient, total: int, batch_groups: int) -> None:
     """``next_batch`` + ``ack`` until ``total`` groups are trained."""
     consumed = 0
@@ -283,18 +296,13 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridg
         await pub_client.flushall()
         publisher = Publisher(pub_client, RUN)
         await publisher.register()
-        reader = StreamReader(stage_client, [TRAJ], "scorers", "scorer-bench",
-                              ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+        reader = scorer_reader(stage_client)
         stage = Stage(reader, Scorer(bridge, config_fingerprint(config), stage_client),
                       concurrency=SCORER_CONCURRENCY)
         await reader.ensure_groups()
         settings = TrainerClientSettings(batch_groups=batch_groups, block_ms=100,
                                          max_staleness=None)
         total = len(groups)
-
-        async def publish() -> None:
-            for group in groups:
-                await publisher.publish(group)
 
         async def train(tc: TrainerClient) -> float:
             await train_all(tc, total, batch_groups)
@@ -304,7 +312,7 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridg
                                  settings=settings) as tc:
             start = time.monotonic()
             stage_task = asyncio.create_task(stage.run(stop))
-            _, end = await asyncio.gather(publish(), train(tc))
+            _, end = await asyncio.gather(publish_all(publisher, groups), train(tc))
             stop.set()
             await stage_task
         if stage.forwarded != total:
@@ -385,8 +393,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
             cpu = time.process_time()
             report["first"] = time.monotonic()
             if job.role == "publish":
-                for group in groups:
-                    await publisher.publish(group)
+                await publish_all(publisher, groups)
             else:
                 for fields in payloads:
                     await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
@@ -397,8 +404,7 @@ async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
                 warm = make_groups(1, shape.group_size, shape.seq_len, shape.prompt_len,
                                    shape.short_text)[0]
                 await scorer.score(warm)
-                reader = StreamReader(client, [TRAJ], "scorers", "scorer-bench",
-                                      ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+                reader = scorer_reader(client)
                 stop = asyncio.Event()
                 stage = _StageUntil(total, stop, reader, scorer, concurrency=SCORER_CONCURRENCY)
                 await reader.ensure_groups()
@@ -557,8 +563,7 @@ async def roles_alone(url: str, shape: Shape, bridge: RewardBridge, config: Rewa
         await client.flushall()
         publisher = Publisher(client, RUN)
         await publisher.register()
-        reader = StreamReader(client, [TRAJ], "scorers", "scorer-bench",
-                              ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
+        reader = scorer_reader(client)
         await reader.ensure_groups()
         done = asyncio.Event()
         stage = _StageUntil(total, done, reader, Scorer(bridge, config_fingerprint(config),
@@ -568,15 +573,11 @@ async def roles_alone(url: str, shape: Shape, bridge: RewardBridge, config: Rewa
                                          max_staleness=None)
         gc.collect()
 
-        async def publish() -> None:
-            for group in groups:
-                await publisher.publish(group)
-
         async def produce() -> None:
             for fields in payloads:
                 await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
 
-        costs["rollq publisher"] = await _timed(url, publish)
+        costs["rollq publisher"] = await _timed(url, lambda: publish_all(publisher, groups))
         costs["rollq scorer stage"] = await _timed(url, lambda: stage.run(done))
         async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
             costs["rollq trainer"] = await _timed(url, lambda: train_all(tc, total,
