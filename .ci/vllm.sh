@@ -15,10 +15,20 @@ set -euo pipefail
 
 die() { echo "vllm.sh: $*" >&2; exit 1; }
 
+# rollq's CPU weight-transfer backend (rollq_tcp), a vLLM plugin: reinstalled every time,
+# so a change to it reaches the servers; the build leaves nothing in the tree.
+install_plugin() {
+  local venv=$1 plugin
+  plugin="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/ops/vllm_plugin"
+  "$venv/bin/python" -m pip install --quiet --no-deps --force-reinstall "$plugin"
+  rm -rf "$plugin/build" "$plugin"/*.egg-info
+}
+
 cmd_install() {
   local venv=${1:?usage: install VENV_DIR}
   if [[ -x "$venv/bin/python" ]] && "$venv/bin/python" -c "import vllm" >/dev/null 2>&1; then
     echo "vllm.sh: vllm already importable in $venv, skipping install"
+    install_plugin "$venv"
     return 0
   fi
   [[ -x "$venv/bin/python" ]] || "${VLLM_PYTHON:-python3.11}" -m venv "$venv"
@@ -28,6 +38,7 @@ cmd_install() {
   # CUDA builds pulled in as dependencies break `import vllm` on CPU.
   "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec triton || true
   "$venv/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+  install_plugin "$venv"
 }
 
 cmd_serve() {

@@ -7,6 +7,7 @@ workers it forked (vLLM's EngineCore); nothing is left behind.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -95,8 +96,11 @@ class VllmProcess:
 
     def __init__(self, python: str, model_dir: Path, log_path: Path, *,
                  served_name: str = "rollq-tiny", port: int | None = None,
-                 max_model_len: int = 512, compile_cache: Path | None = None) -> None:
+                 max_model_len: int = 512, compile_cache: Path | None = None,
+                 weight_transfer: str | None = None) -> None:
         self.python = python
+        self.weight_transfer = weight_transfer
+        """A weight-transfer backend to serve with (``rollq_tcp``: rollq's CPU plugin)."""
         self.model_dir = model_dir
         self.log_path = log_path
         self.served_name = served_name
@@ -125,7 +129,9 @@ class VllmProcess:
                  "--model", str(self.model_dir), "--served-model-name", self.served_name,
                  "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                  "--max-model-len", str(self.max_model_len), "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(64 * 1024 * 1024)],
+                 "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+                 *(["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
+                   if self.weight_transfer else [])],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=environment, start_new_session=True,
             )

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import Any
@@ -68,7 +69,7 @@ from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
 from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.stats import TrainerStats
-from consumers.trainer.weights import PolicyPublisher
+from consumers.trainer.weights import PolicyPublisher, SyncReport
 from schemas import BrokerUnavailable, DecodeError
 from schemas.columns import ScoredColumns
 from schemas.decoding import decode_scored_columns
@@ -108,10 +109,14 @@ class TrainerClient:
         self.partitions = 0
         self._ledger = Ledger(redis, run, consumer, self.settings.log_max_len,
                               dedup_window_s=self.settings.dedup_window_s)
-        self._publisher = PolicyPublisher(self.settings.inference_urls,
-                                          pause_mode=self.settings.pause_mode,
-                                          timeout_s=self.settings.http_timeout_s,
-                                          transport=transport)
+        s = self.settings
+        self._publisher = PolicyPublisher(s.inference_urls, pause_mode=s.pause_mode,
+                                          timeout_s=s.http_timeout_s, transport=transport,
+                                          transfer_backend=s.transfer_backend,
+                                          transfer_host=s.transfer_host,
+                                          transfer_port=s.transfer_port,
+                                          transfer_chunk_bytes=s.transfer_chunk_bytes,
+                                          workers_per_server=s.transfer_workers_per_server)
         self._reader: StreamReader | None = None
         self._books = Holdings()
         self._version: int | None = None  # own published (or resumed) version
@@ -367,22 +372,55 @@ class TrainerClient:
 
     # -- weights ---------------------------------------------------------------------------
 
-    async def publish_policy(self, step: int, weights_dir: str | os.PathLike[str]) -> int:
-        """Serve the weights in ``weights_dir`` as policy version ``step``.
+    async def publish_policy(self, step: int, weights: Any) -> int:
+        """Serve the trainer's weights as policy version ``step`` on every vLLM server.
 
-        Runs the reload sequence on every configured vLLM server (see
-        ``consumers.trainer.weights``), then raises the run's ``policy_version`` to ``step``
-        (never lowers it) so the feeder admits new work. If any server fails, raises
-        WeightSyncError and leaves the version as it was. Returns the version in force.
+        What ``weights`` is depends on ``settings.weight_sync`` (``consumers.trainer.weights``):
+
+        - ``reload``: a directory the servers can read (HF layout); each reloads it.
+        - ``transfer``: the model (``nn.Module``) or an iterable of ``(name, tensor)`` pairs
+          (iterated once per sync), sent through vLLM's weight-transfer API.
+        - ``external``: a callable (sync or async) that moves the weights itself while the
+          servers are paused, or None when nothing needs moving.
+
+        Then the run's ``policy_version`` is raised to ``step`` (never lowered) so the feeder
+        admits new work; for transfer and external before any server resumes. If any server
+        fails, raises WeightSyncError naming it, after resuming every server, and leaves the
+        version as it was. Returns the version in force.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        await self._publisher.publish(step, os.fspath(weights_dir))
-        in_force = await self._rider.call(lambda: self._ledger.raise_policy_version(step))
+        method = self.settings.weight_sync
+        raised: list[int] = []
+
+        async def raise_version() -> None:
+            raised.append(await self._rider.call(
+                lambda: self._ledger.raise_policy_version(step)))
+
+        if method == "reload":
+            if not isinstance(weights, (str, os.PathLike)):
+                raise TypeError("weight_sync='reload' publishes a weights directory, got "
+                                f"{type(weights).__name__}; set weight_sync='transfer' to "
+                                "send a model")
+            started = time.monotonic()
+            await self._publisher.publish(step, os.fspath(weights))
+            report = SyncReport("reload", time.monotonic() - started,
+                                time.monotonic() - started, 0)
+            await raise_version()
+        else:
+            report = await self._publisher.sync(method, step, weights, raise_version)
+        self.stats.synced(report)
         self._version = step
-        log.info("policy_published", run=self.run, step=step, in_force=in_force,
-                 servers=len(self._publisher.urls))
-        return in_force
+        log.info("policy_published", run=self.run, step=step, in_force=raised[0],
+                 servers=len(self._publisher.urls), method=method,
+                 seconds=round(report.seconds, 3), paused_s=round(report.paused_seconds, 3),
+                 bytes=report.bytes_moved)
+        return raised[0]
+
+    def set_inference_urls(self, urls: Sequence[str]) -> None:
+        """Change the servers the next ``publish_policy`` updates (a server added or
+        removed); with ``transfer`` the next sync sets the transfer up again for all."""
+        self._publisher.urls = [url.rstrip("/") for url in urls]
 
     # -- internals -------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Literal
 from consumers.bus import ReaderSettings
 
 PauseMode = Literal["keep", "wait", "abort"]
+WeightSyncMethod = Literal["reload", "transfer", "external"]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,29 @@ class TrainerClientSettings:
     pause_mode: PauseMode = "keep"
     """How vLLM pauses for a reload: ``keep`` freezes in-flight requests and finishes them
     with the new weights, ``wait`` lets them finish first, ``abort`` truncates them."""
+    weight_sync: WeightSyncMethod = "reload"
+    """How ``publish_policy(step, weights)`` moves weights to the servers
+    (docs/guides/weight-sync.md): ``reload`` — ``weights`` is a directory every server
+    can read, each reloads it from disk; ``transfer`` — ``weights`` is the model (or its
+    ``(name, tensor)`` pairs), sent through vLLM's weight-transfer API on
+    ``transfer_backend``; ``external`` — the trainer moves the weights itself, ``weights``
+    is the callable that does it while the servers are paused (or None)."""
+    transfer_backend: str = "nccl"
+    """vLLM weight-transfer backend for ``transfer``; the servers must run with the same
+    ``--weight-transfer-config '{"backend": ...}'``: ``nccl`` (GPUs; vllm installed in the
+    trainer's environment), ``ipc`` (colocated on one GPU; likewise), ``rollq_tcp`` (CPU
+    servers, rollq's plugin ``ops/vllm_plugin``)."""
+    transfer_host: str = "127.0.0.1"
+    """Address of the trainer that the servers' workers connect to for ``transfer``
+    (NCCL's rendezvous, rollq_tcp's stream): an address every server can reach."""
+    transfer_port: int = 0
+    """Port for that (0: a free one, chosen at each engine set-up)."""
+    transfer_chunk_bytes: int = 64 * 1024 * 1024
+    """Most weight bytes per ``/update_weights`` call (rollq_tcp): the trainer's CPU copies
+    of GPU tensors are bounded by this, never a second full copy of the model."""
+    transfer_workers_per_server: int = 1
+    """vLLM workers per server (tensor x pipeline parallel size): NCCL's group is the
+    trainer plus every worker of every server, each server's ranks after the previous'."""
     http_timeout_s: float = 300.0
     """Timeout of each weight-sync HTTP call (seconds); ``wait`` pauses can take long."""
     block_ms: int = 1000
@@ -75,7 +99,8 @@ class TrainerClientSettings:
 
     def __post_init__(self) -> None:
         positive = ("batch_groups", "read_count", "reclaim_idle_ms", "max_deliveries",
-                    "partitions", "log_max_len")
+                    "partitions", "log_max_len", "transfer_chunk_bytes",
+                    "transfer_workers_per_server")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -83,6 +108,11 @@ class TrainerClientSettings:
             raise ValueError(f"vocab_size must be at least 1 or None, got {self.vocab_size}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
+        if self.weight_sync not in ("reload", "transfer", "external"):
+            raise ValueError(f"weight_sync must be reload, transfer or external, got "
+                             f"{self.weight_sync!r}")
+        if not 0 <= self.transfer_port < 65536:
+            raise ValueError(f"transfer_port must be in [0, 65535], got {self.transfer_port}")
         if self.dedup_window_s <= 0:
             raise ValueError(f"dedup_window_s must be > 0, got {self.dedup_window_s}")
         if self.block_ms < 0 or self.http_timeout_s <= 0 or self.reclaim_every_s < 0:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 from schemas.columns import ScoredColumns
 from schemas.stats import VERSION_BOUNDS, Histogram
+
+if TYPE_CHECKING:
+    from consumers.trainer.weights import SyncReport
 
 
 class TrainerStats:
@@ -33,6 +37,12 @@ class TrainerStats:
         """From a batch handed out to its ``ack``: the training step."""
         self.staleness = Histogram(VERSION_BOUNDS)
         """Per acked group: the policy version at ``next_batch`` minus the group's."""
+        self.sync_seconds: dict[str, Histogram] = {}
+        """Per weight-sync method: each sync's duration, first pause to last resume."""
+        self.paused_seconds: dict[str, Histogram] = {}
+        """Per method: how long generation was paused by each sync."""
+        self.sync_bytes: dict[str, int] = {}
+        """Per method: weight bytes the trainer sent (transfer)."""
         # a batch's entries (the sync facade acks a copy of the batch) -> (handed, version)
         self._handed: dict[Hashable, tuple[float, int]] = {}
 
@@ -56,3 +66,10 @@ class TrainerStats:
         self.groups += len(groups)
         self.consumed += consumed
         self.tokens += sum(g.sequence_tokens for g in groups)
+
+    def synced(self, report: SyncReport) -> None:
+        """A weight sync succeeded."""
+        method = report.method
+        self.sync_seconds.setdefault(method, Histogram()).observe(report.seconds)
+        self.paused_seconds.setdefault(method, Histogram()).observe(report.paused_seconds)
+        self.sync_bytes[method] = self.sync_bytes.get(method, 0) + report.bytes_moved

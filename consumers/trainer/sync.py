@@ -18,9 +18,8 @@ run a loop. Every method blocks until the async call finishes and re-raises its 
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -111,9 +110,13 @@ class SyncTrainerClient:
         """Blocking ``TrainerClient.load_state``."""
         return self._call(self.client.load_state(state))
 
-    def publish_policy(self, step: int, weights_dir: str | os.PathLike[str]) -> int:
-        """Blocking ``TrainerClient.publish_policy``."""
-        return self._call(self.client.publish_policy(step, weights_dir))
+    def publish_policy(self, step: int, weights: Any) -> int:
+        """Blocking ``TrainerClient.publish_policy`` (``weights`` as ``weight_sync`` says)."""
+        return self._call(self.client.publish_policy(step, weights))
+
+    def set_inference_urls(self, urls: Sequence[str]) -> None:
+        """``TrainerClient.set_inference_urls``."""
+        self.client.set_inference_urls(urls)
 
     def current_version(self) -> int:
         """Blocking ``TrainerClient.current_version``."""

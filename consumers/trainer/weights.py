@@ -1,6 +1,7 @@
-"""Weight sync: make every vLLM server serve the trainer's new weights.
+"""Weight sync: make every vLLM server serve the trainer's new weights, three ways.
 
-Per server, in order (the vLLM dev-mode API; see tests/fixtures/vllm/NOTES.md):
+``reload`` (``publish``): the trainer wrote the weights to a directory every server can
+read. Per server, in order (the vLLM dev-mode API; see tests/fixtures/vllm/NOTES.md):
 
     POST /pause?mode=<keep|wait|abort>      stop scheduling; new requests wait, not fail
     POST /collective_rpc                    {"method": "reload_weights",
@@ -14,19 +15,63 @@ error, non-2xx, or ``"success": false``) ends that server's sequence; the server
 asked to resume if it may have been paused, and the failure is collected. After every server
 has finished, ``WeightSyncError`` lists the failed servers and why. Foreign httpx errors are
 translated here and nowhere else.
+
+``transfer`` and ``external`` (``sync``) treat the servers as one unit, in phases:
+
+    1. pause every server (``pause_mode``)
+    2. move the weights: ``transfer`` runs vLLM's weight-transfer protocol to every server
+       at once (``consumers.trainer.transfer``: init when needed, start, update in chunks,
+       finish); ``external`` calls the trainer's own ``move`` (its NCCL group, a checkpoint
+       engine), or nothing when the weights are already there
+    3. ``/reset_prefix_cache`` and ``/update_weight_version`` on every server
+    4. ``on_updated()``: the caller raises the run's policy version, BEFORE any server
+       resumes, so no request can start on the new weights under the old version
+    5. resume every server that may have been paused, whatever happened before
+
+A failure in 1-3 skips the later phases up to 5 and raises ``WeightSyncError`` naming each
+failed server (``trainer`` when the trainer's side failed): every server resumed, the run's
+version unchanged. The transfer engine is initialised on the first sync and again after a
+failed sync, a change of the server list, or a server whose ``/weight_info`` no longer shows
+the last version synced (it restarted). A server left mid-update by a trainer that died is
+finished and restarted by the next sync's start; until a full sync lands it stays paused,
+since it may hold half-updated weights.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import httpx
 
 from consumers.trainer.errors import WeightSyncError
-from consumers.trainer.settings import PauseMode
+from consumers.trainer.settings import PauseMode, WeightSyncMethod
+from consumers.trainer.transfer import (
+    BACKEND_TCP,
+    ServerFanout,
+    ServersFailed,
+    TcpTrainerEngine,
+    TcpTrainerInitInfo,
+    vllm_trainer_engine,
+)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """What one successful weight sync cost."""
+
+    method: WeightSyncMethod
+    seconds: float
+    """From the first pause to the last resume answered."""
+    paused_seconds: float
+    """From the last pause answered to the first resume sent: generation stopped."""
+    bytes_moved: int
+    """Weight bytes the trainer sent (transfer); 0 for reload and external."""
 
 
 class _StepFailed(Exception):
@@ -46,12 +91,30 @@ class PolicyPublisher:
         pause_mode: PauseMode = "keep",
         timeout_s: float = 300.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        transfer_backend: str = BACKEND_TCP,
+        transfer_host: str = "127.0.0.1",
+        transfer_port: int = 0,
+        transfer_chunk_bytes: int = 64 * 1024 * 1024,
+        workers_per_server: int = 1,
+        sync_transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.urls = [url.rstrip("/") for url in urls]
         self.pause_mode = pause_mode
         self.timeout_s = timeout_s
+        self.transfer_backend = transfer_backend
+        self.transfer_host = transfer_host
+        self.transfer_port = transfer_port
+        self.transfer_chunk_bytes = transfer_chunk_bytes
+        self.workers_per_server = workers_per_server
         self._transport = transport
+        self._sync_transport = sync_transport
         self._http: httpx.AsyncClient | None = None
+        self._engine: Any = None  # the transfer engine, with the servers it was set up for
+        self._engine_urls: list[str] = []
+        self._fanout: ServerFanout | None = None
+        self._synced: str | None = None  # the version the last sync left on every server
+        self.reinits = 0
+        """How often the transfer engine was (re)initialised."""
 
     async def __aenter__(self) -> PolicyPublisher:
         self._http = httpx.AsyncClient(transport=self._transport, timeout=self.timeout_s)
@@ -63,6 +126,7 @@ class PolicyPublisher:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        self._drop_engine()
         if self._http is not None:
             await self._http.aclose()
             self._http = None
@@ -74,6 +138,119 @@ class PolicyPublisher:
         failures = {url: why for url, why in zip(self.urls, results, strict=True) if why}
         if failures:
             raise WeightSyncError(step, failures)
+
+    async def sync(self, method: WeightSyncMethod, step: int, weights: Any,
+                   on_updated: Callable[[], Awaitable[object]]) -> SyncReport:
+        """``transfer`` (``weights``: an ``nn.Module`` or an iterable of ``(name, tensor)``)
+        or ``external`` (``weights``: a callable that moves them, sync or async, or None),
+        in the phases of the module docstring. Raises WeightSyncError."""
+        started = time.monotonic()
+        failures = await self._each("pause", "/pause", params={"mode": self.pause_mode})
+        reached = [url for url in self.urls if not failures.get(url, "").startswith(
+            "pause: cannot connect")]
+        paused_at = time.monotonic()
+        moved = 0
+        if not failures:
+            try:
+                if method == "transfer":
+                    moved = await self._transfer(step, weights)
+                elif weights is not None:
+                    result = weights() if callable(weights) else None
+                    if inspect.isawaitable(result):
+                        await result
+            except ServersFailed as exc:
+                failures.update({url: f"{exc.step}: {why}" for url, why in exc.failures.items()})
+            except Exception as exc:  # the trainer's side: a bad source, its own move failed
+                failures["trainer"] = f"{type(exc).__name__}: {exc}"
+            if failures:
+                self._drop_engine()
+        if not failures:
+            failures.update(await self._each("reset_prefix_cache", "/reset_prefix_cache"))
+        if not failures:
+            failures.update(await self._each("update_weight_version", "/update_weight_version",
+                                             json={"new_version": str(step)}))
+        if not failures:
+            self._synced = str(step)
+            await on_updated()
+        resumed_at = time.monotonic()
+        failures.update(await self._each("resume", "/resume", urls=reached))
+        if failures:
+            self._synced = None
+            raise WeightSyncError(step, failures)
+        return SyncReport(method, time.monotonic() - started, resumed_at - paused_at, moved)
+
+    async def _each(self, step: str, path: str, *, urls: list[str] | None = None,
+                    params: dict[str, str] | None = None, json: Any = None) -> dict[str, str]:
+        """POST to every server at once; the failures, by server."""
+        targets = self.urls if urls is None else urls
+
+        async def one(url: str) -> str | None:
+            try:
+                await self._post(url, step, path, params=params, json=json)
+            except _StepFailed as exc:
+                return str(exc)
+            return None
+
+        results = await asyncio.gather(*(one(url) for url in targets))
+        return {url: why for url, why in zip(targets, results, strict=True) if why}
+
+    async def _transfer(self, step: int, weights: Any) -> int:
+        if weights is None:
+            raise ValueError("weight_sync='transfer' needs the model (or its (name, tensor) "
+                             "pairs) to send")
+        if self._engine is not None and (self._engine_urls != self.urls
+                                         or await self._restarted()):
+            self._drop_engine()
+        return await asyncio.to_thread(self._send, step, weights)
+
+    async def _restarted(self) -> bool:
+        """Whether any server no longer reports the version the last sync set."""
+        async def version(url: str) -> str | None:
+            assert self._http is not None
+            try:
+                response = await self._http.get(url + "/weight_info")
+                return str(_body(response).get("weight_version"))
+            except httpx.HTTPError:
+                return None
+
+        found = await asyncio.gather(*(version(url) for url in self.urls))
+        return any(v != self._synced for v in found)
+
+    def _send(self, step: int, weights: Any) -> int:
+        """One transfer, on a worker thread (the engines block)."""
+        source = _pairs(weights) if self.transfer_backend == BACKEND_TCP else weights
+        if self._engine is None:
+            self._fanout = ServerFanout(list(self.urls), httpx.Client(
+                timeout=self.timeout_s, transport=self._sync_transport),
+                workers_per_server=self.workers_per_server)
+            self._engine_urls = list(self.urls)
+            if self.transfer_backend == BACKEND_TCP:
+                self._engine = TcpTrainerEngine.trainer_init(TcpTrainerInitInfo(
+                    host=self.transfer_host, port=self.transfer_port,
+                    chunk_bytes=self.transfer_chunk_bytes, timeout_s=self.timeout_s),
+                    client=self._fanout, source=source)
+            else:
+                self._engine = vllm_trainer_engine(
+                    self.transfer_backend, client=self._fanout, source=source,
+                    host=self.transfer_host, port=self.transfer_port,
+                    workers=self.workers_per_server * len(self.urls))
+            self.reinits += 1
+        self._engine.source = source
+        before = getattr(self._engine, "bytes_sent", 0)
+        self._engine.send_weights()
+        return int(getattr(self._engine, "bytes_sent", 0)) - int(before)
+
+    def _drop_engine(self) -> None:
+        engine, fanout = self._engine, self._fanout
+        self._engine, self._fanout, self._engine_urls = None, None, []
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # best effort: the next sync builds a new one either way
+                pass
+        if fanout is not None:
+            fanout.http.close()
+            fanout.close()
 
     async def _update(self, url: str, step: int, weights_dir: str) -> str | None:
         """One server's sequence; returns why it failed, or None."""
@@ -111,6 +288,16 @@ class PolicyPublisher:
             raise _StepFailed(step, f"HTTP {response.status_code}: {_message(response)}")
         if _body(response).get("success") is False:
             raise _StepFailed(step, f"server answered success=false: {response.text[:200]}")
+
+
+def _pairs(weights: Any) -> Any:
+    """A module's parameters (a fresh pass each sync), or the caller's pairs as given."""
+    if hasattr(weights, "named_parameters"):
+        class Parameters:
+            def __iter__(self) -> Any:
+                return iter(weights.named_parameters())
+        return Parameters()
+    return weights
 
 
 def _body(response: httpx.Response) -> dict[str, Any]:

@@ -1,0 +1,172 @@
+"""rollq's CPU weight-transfer backend for vLLM, ``rollq_tcp``.
+
+Serve with ``--weight-transfer-config '{"backend": "rollq_tcp"}'``.
+
+vLLM's weight-transfer API (``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``) moves weights with NCCL or CUDA IPC, which
+need GPUs. This backend moves them over a plain TCP stream so the same control plane runs
+on CPU servers (rollq's tests, benches and laptop demo). It is loaded into every vLLM
+process through the ``vllm.general_plugins`` entry point (``pip install`` this folder into
+vLLM's environment) and registers:
+
+- the worker engine ``rollq_tcp`` in ``WeightTransferEngineFactory`` (this module);
+- the trainer engine ``rollq_tcp`` in ``WeightTransferTrainerFactory``, lazily, as
+  ``consumers.trainer.transfer.TcpTrainerEngine`` (rollq's trainer SDK; importable only
+  where rollq is installed, which is the trainer's process).
+
+The wire, per ``update_weights`` chunk (the trainer holds a listening socket):
+
+1. the trainer POSTs ``/update_weights`` with ``{"address": "host:port", "ticket": hex,
+   "names": [...], "dtype_names": [...], "shapes": [[...], ...]}``;
+2. every worker of the server connects to ``address`` and sends ``ticket`` + ``\\n``;
+3. the trainer answers an 8-byte little-endian byte count, then each tensor's raw bytes in
+   ``names`` order (C-contiguous, native little-endian, the dtype named);
+4. the worker checks the count against the shapes, receives into fresh tensors and loads
+   them with ``model.load_weights`` inside vLLM's layerwise reload (started by
+   ``/start_weight_update``, finalised by ``/finish_weight_update``), as the NCCL engine does.
+
+Failure: a refused connection, a wrong count or a stream cut short raises in the worker, so
+``/update_weights`` answers an error and the trainer sees which server failed. The worker
+keeps no connection between chunks: a restarted trainer needs no clean-up here.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKEND = "rollq_tcp"
+_COUNT = struct.Struct("<Q")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` hook: runs in every vLLM process, possibly twice."""
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "TcpWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, "consumers.trainer.transfer", "TcpTrainerEngine")
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def receive_into(sock: socket.socket, buffer: memoryview) -> None:
+    """Fill ``buffer`` from ``sock``; ConnectionError if the stream ends first."""
+    view, filled = buffer, 0
+    while filled < len(view):
+        got = sock.recv_into(view[filled:], len(view) - filled)
+        if got == 0:
+            raise ConnectionError(f"trainer closed the stream after {filled} of "
+                                  f"{len(view)} bytes")
+        filled += got
+
+
+def receive_tensors(address: str, ticket: str, names: list[str], dtype_names: list[str],
+                    shapes: list[list[int]], timeout_s: float) -> list[tuple[str, Any]]:
+    """Connect to the trainer's sender and receive one chunk's tensors (on the CPU)."""
+    import torch
+
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError(f"names, dtype_names and shapes differ in length: {len(names)}, "
+                         f"{len(dtype_names)}, {len(shapes)}")
+    tensors = [torch.empty(shape, dtype=_dtype(dtype)) for dtype, shape in
+               zip(dtype_names, shapes, strict=True)]
+    expected = sum(t.numel() * t.element_size() for t in tensors)
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(ticket.encode() + b"\n")
+        header = bytearray(_COUNT.size)
+        receive_into(sock, memoryview(header))
+        (count,) = _COUNT.unpack(header)
+        if count != expected:
+            raise ValueError(f"trainer sends {count} bytes, the shapes and dtypes of this "
+                             f"chunk need {expected}")
+        for tensor in tensors:
+            if tensor.numel():
+                receive_into(sock, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
+    return list(zip(names, tensors, strict=True))
+
+
+def _engine_classes() -> tuple[type, type, type]:
+    """Built on first use: vllm is importable only inside vLLM's processes."""
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @dataclass
+    class TcpInitInfo(WeightTransferInitInfo):
+        timeout_s: float = 120.0
+        """Connect and per-read timeout of a chunk's stream (seconds)."""
+
+    @dataclass
+    class TcpUpdateInfo(WeightTransferUpdateInfo):
+        address: str
+        ticket: str
+        names: list[str] = field(default_factory=list)
+        dtype_names: list[str] = field(default_factory=list)
+        shapes: list[list[int]] = field(default_factory=list)
+
+    class Engine(WeightTransferEngine[TcpInitInfo, TcpUpdateInfo]):
+        init_info_cls = TcpInitInfo
+        update_info_cls = TcpUpdateInfo
+        timeout_s = 120.0
+
+        def init_transfer_engine(self, init_info: TcpInitInfo) -> None:
+            self.timeout_s = init_info.timeout_s
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def update_weights(self, update_info: dict[str, Any]) -> None:
+            import torch
+
+            self.receive_weights(self.parse_update_info(update_info))
+            if self.device.type != "cpu":
+                torch.accelerator.synchronize()
+
+        def receive_weights(self, update_info: TcpUpdateInfo) -> None:
+            weights = receive_tensors(update_info.address, update_info.ticket,
+                                      update_info.names, update_info.dtype_names,
+                                      update_info.shapes, self.timeout_s)
+            if self.device.type != "cpu":
+                weights = [(name, tensor.to(self.device)) for name, tensor in weights]
+            self.model.load_weights(weights)
+
+        def shutdown(self) -> None:
+            pass
+
+    Engine.__name__ = Engine.__qualname__ = "TcpWeightTransferEngine"
+    return TcpInitInfo, TcpUpdateInfo, Engine
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("TcpInitInfo", "TcpUpdateInfo", "TcpWeightTransferEngine"):
+        init_info, update_info, engine = _engine_classes()
+        globals().update(TcpInitInfo=init_info, TcpUpdateInfo=update_info,
+                         TcpWeightTransferEngine=engine)
+        return globals()[name]
+    raise AttributeError(name)
