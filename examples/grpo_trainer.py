@@ -6,8 +6,10 @@ One step:
      token (``batch.targets()`` lines the arrays up with the logits);
   3. PPO-clip loss against the sampler's logprobs (the importance ratio corrects for the
      policy having moved since the rollout was generated), masked to model tokens;
-  4. optimizer step, save the weights (safetensors, HF layout), ``client.publish_policy``
-     (every vLLM server reloads them; the run's policy version becomes the step);
+  4. optimizer step, then ``client.publish_policy``: with ``--weight-sync reload`` the
+     weights are saved (safetensors, HF layout) and every vLLM server reloads them; with
+     ``transfer`` they are sent through vLLM's weight-transfer API (``rollq_tcp`` on CPU
+     servers, ``nccl`` on GPUs); the run's policy version becomes the step;
   5. ``batch.ack()``: the groups are consumed; then, every ``--checkpoint-every`` steps, a
      checkpoint with the model, the optimizer and ``client.state()``.
 
@@ -65,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward")
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--weight-sync", choices=("reload", "transfer"), default="reload",
+                        help="reload: save to --out/weights and every server reloads it; "
+                             "transfer: send through vLLM's weight-transfer API [reload]")
+    parser.add_argument("--transfer-backend",
+                        help="the servers' --weight-transfer-config backend "
+                             "[rollq_tcp on --device cpu, else nccl]")
     parser.add_argument("--sync-give-up-s", type=float, default=300.0,
                         help="retry a failed weight sync this long (vLLM restarting) [300]")
     parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
@@ -130,13 +138,16 @@ def save_checkpoint(path: Path, model: Any, optimizer: Any, step: int,
     tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
 
 
-def publish(client: SyncTrainerClient, step: int, weights_dir: Path, give_up_s: float) -> None:
+def publish(client: SyncTrainerClient, step: int, model: Any, weights_dir: Path,
+            args: argparse.Namespace) -> None:
     """``publish_policy``, retried while vLLM is unreachable (it may be restarting)."""
-    deadline = time.monotonic() + give_up_s
+    deadline = time.monotonic() + args.sync_give_up_s
     pause = 1.0
+    if args.weight_sync == "reload":
+        model.save_pretrained(weights_dir, safe_serialization=True)
     while True:
         try:
-            client.publish_policy(step, weights_dir)
+            client.publish_policy(step, weights_dir if args.weight_sync == "reload" else model)
             return
         except WeightSyncError as exc:
             if time.monotonic() + pause > deadline:
@@ -174,8 +185,10 @@ def train(args: argparse.Namespace) -> int:
         reference.to(args.device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
+    backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
-                                     max_staleness=args.max_staleness, inference_urls=urls)
+                                     max_staleness=args.max_staleness, inference_urls=urls,
+                                     weight_sync=args.weight_sync, transfer_backend=backend)
     metrics = open(args.metrics, "a") if args.metrics else None
     with SyncTrainerClient(args.redis_url, run=args.run, consumer=args.consumer,
                            settings=settings) as client:
@@ -192,8 +205,7 @@ def train(args: argparse.Namespace) -> int:
             replayed = client.load_state(saved["client"])
             print(f"resumed at step {step}; replaying {replayed} groups", flush=True)
         # The servers start from the weights this trainer holds (fresh or resumed).
-        model.save_pretrained(weights_dir, safe_serialization=True)
-        publish(client, step, weights_dir, args.sync_give_up_s)
+        publish(client, step, model, weights_dir, args)
         # Set-up is done: keep the cyclic collector's full walks off torch, the model and
         # everything else that lives as long as this process (schemas.heap: ~15 % of the
         # SDK's CPU a group at 16 x 2048).
@@ -226,8 +238,7 @@ def train(args: argparse.Namespace) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            model.save_pretrained(weights_dir, safe_serialization=True)
-            publish(client, step, weights_dir, args.sync_give_up_s)
+            publish(client, step, model, weights_dir, args)
             batch.ack()
             if step % args.checkpoint_every == 0 or step == args.steps:
                 save_checkpoint(checkpoint, model, optimizer, step, client.state())

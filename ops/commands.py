@@ -302,6 +302,11 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward (it must not rise)")
+    parser.add_argument("--weight-sync", choices=("reload", "transfer"),
+                        help="how the trainer moves weights into vLLM: reload from disk, or "
+                        "transfer through vLLM's weight-transfer API (rollq_tcp on CPU; with "
+                        "--inference the server must run --weight-transfer-config "
+                        "'{\"backend\": \"rollq_tcp\"}') [reload]")
 
 
 async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -329,7 +334,8 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     given = {"steps": args.steps, "lr": args.lr, "group_size": args.group_size,
              "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
-             "kl_coef": args.kl_coef, "eval_every": args.eval_every, "seed": args.seed}
+             "kl_coef": args.kl_coef, "eval_every": args.eval_every, "seed": args.seed,
+             "weight_sync": args.weight_sync}
     options = DemoOptions.for_task(
         args.task, out=args.out, run=args.run or "demo", redis_url=args.redis_url,
         inference=args.inference, model=args.model, vllm_python=args.vllm_python,

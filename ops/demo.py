@@ -37,6 +37,7 @@ from typing import Any, Literal, TextIO
 import httpx
 import redis
 
+from consumers.trainer.settings import WeightSyncMethod
 from ops.demo_sums import (
     SUMS_REWARD,
     SumsEvaluation,
@@ -90,6 +91,8 @@ class DemoOptions:
     """``sums``: evaluate train and held-out accuracy every this many trainer steps."""
     warm_start_steps: int = 300
     seed: int = 0
+    weight_sync: WeightSyncMethod = "reload"
+    """How the trainer moves weights into vLLM (the demo's own server serves rollq_tcp)."""
 
     @classmethod
     def for_task(cls, task: Task, **given: Any) -> DemoOptions:
@@ -222,7 +225,9 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             say("vllm: starting the CPU server (30-70 s, first compile ~20 s)...")
             cache = Path(options.vllm_python).resolve().parent.parent / "inductor-cache"
             vllm = VllmProcess(options.vllm_python, model, logs / "vllm.log",
-                               compile_cache=cache).start()
+                               compile_cache=cache,
+                               weight_transfer="rollq_tcp" if options.weight_sync == "transfer"
+                               else None).start()
             inference = vllm.url
             say(f"vllm: serving {model.name} at {inference}")
         client = redis.Redis.from_url(redis_url)
@@ -321,6 +326,8 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
         argv += ["--kl-coef", str(options.kl_coef)]
     if options.torch_threads:
         argv += ["--torch-threads", str(options.torch_threads)]
+    if options.weight_sync != "reload":
+        argv += ["--weight-sync", options.weight_sync, "--transfer-backend", "rollq_tcp"]
     return argv + (["--flip-advantages"] if options.flip_advantages else [])
 
 

@@ -166,3 +166,9 @@ class VllmProcess:
         if self.process is not None:
             stop_group(self.process)
             self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers, as a crash would; ``start`` brings it back."""
+        if self.process is not None:
+            kill_group(self.process)
+            self.process = None

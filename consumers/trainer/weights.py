@@ -220,8 +220,11 @@ class PolicyPublisher:
         """One transfer, on a worker thread (the engines block)."""
         source = _pairs(weights) if self.transfer_backend == BACKEND_TCP else weights
         if self._engine is None:
+            # No keep-alive: a vLLM route that fails closes its connection, and the next
+            # call on it (the finish that recovers a stuck update) would be lost with it.
             self._fanout = ServerFanout(list(self.urls), httpx.Client(
-                timeout=self.timeout_s, transport=self._sync_transport),
+                timeout=self.timeout_s, transport=self._sync_transport,
+                limits=httpx.Limits(max_keepalive_connections=0)),
                 workers_per_server=self.workers_per_server)
             self._engine_urls = list(self.urls)
             if self.transfer_backend == BACKEND_TCP:
@@ -237,8 +240,24 @@ class PolicyPublisher:
             self.reinits += 1
         self._engine.source = source
         before = getattr(self._engine, "bytes_sent", 0)
-        self._engine.send_weights()
+        try:
+            self._engine.send_weights()
+        except BaseException:
+            self._abandon_update()
+            raise
         return int(getattr(self._engine, "bytes_sent", 0)) - int(before)
+
+    def _abandon_update(self) -> None:
+        """After a failed transfer: finish the update on every server still in it, so each
+        layer serves either the new weights (received) or the old ones (not received),
+        instead of being left half set up. That mix is one more behaviour policy: the
+        sampler's logprobs are recorded, so the importance ratio still corrects for it,
+        and the run's version stays the old one (staleness is over-, never under-stated)."""
+        if self._fanout is not None:
+            try:
+                self._fanout.finish_weight_update()
+            except ServersFailed:
+                pass  # servers not mid-update (or gone) refuse; that is the aim
 
     def _drop_engine(self) -> None:
         engine, fanout = self._engine, self._fanout

@@ -33,7 +33,8 @@ def vllm_server(
             pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
         pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
     cache = Path(python).resolve().parent.parent / "inductor-cache"
+    # rollq_tcp: the weight-transfer tests sync into it; reload works beside it
     server = VllmProcess(python, tiny_model, tmp_path_factory.mktemp("vllm") / "server.log",
-                         compile_cache=cache).start()
+                         compile_cache=cache, weight_transfer="rollq_tcp").start()
     yield server
     server.stop()

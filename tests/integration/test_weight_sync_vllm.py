@@ -1,0 +1,266 @@
+"""Weight sync through vLLM's weight-transfer API, on real CPU vLLM servers.
+
+The servers run rollq's CPU backend (``--weight-transfer-config '{"backend": "rollq_tcp"}'``,
+the plugin in ops/vllm_plugin). What is checked is what a trainer relies on: after a sync,
+vLLM's logprobs for fixed prompts equal the trainer model's own (float32 on both sides:
+measured ~5e-7, tolerance 1e-4), the servers and the run report the new version, and every
+failure names the server, resumes the others and leaves the run's version unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
+from ops.stack import VllmProcess
+from schemas.keys import POLICY_VERSION_FIELD, state_key
+from tests.redis_server import RedisServer
+
+torch = pytest.importorskip("torch", reason="needs the train extra")
+transformers = pytest.importorskip("transformers", reason="needs the train extra")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPTS = ["hello world 1 2 3", "the quick brown fox", "7 + 5 = 12 and 3 + 4 ="]
+TOLERANCE = 1e-4  # logprob difference, float32 trainer and server
+
+
+def perturbed(model_dir: Path, seed: int) -> Any:
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model.eval()
+
+
+def server_logprobs(url: str, prompt: str) -> list[float]:
+    response = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "rollq-tiny", "prompt": prompt, "max_tokens": 1, "echo": True,
+        "logprobs": 0, "temperature": 0})
+    response.raise_for_status()
+    # echo: the prompt's tokens (the first has none), then the one generated
+    return [float(v) for v in response.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1]]
+
+
+def model_logprobs(url: str, model: Any, prompt: str) -> list[float]:
+    tokens = httpx.post(f"{url}/tokenize", timeout=30,
+                        json={"model": "rollq-tiny", "prompt": prompt}).json()["tokens"]
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    chosen = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return [float(v) for v in chosen]
+
+
+def largest_gap(url: str, model: Any) -> float:
+    return max(abs(a - b) for prompt in PROMPTS for a, b in
+               zip(server_logprobs(url, prompt), model_logprobs(url, model, prompt), strict=True))
+
+
+def is_paused(url: str) -> bool:
+    return bool(httpx.get(f"{url}/is_paused", timeout=30).json()["is_paused"])
+
+
+def weight_version(url: str) -> str | None:
+    return httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+
+
+async def run_version(redis: aioredis.Redis, run: str) -> int:
+    return int(await redis.hget(state_key(run), POLICY_VERSION_FIELD) or -1)
+
+
+def client(redis: aioredis.Redis, run: str, *urls: str, **settings: Any) -> TrainerClient:
+    given: dict[str, Any] = {"weight_sync": "transfer", "transfer_backend": "rollq_tcp",
+                             "http_timeout_s": 60.0, **settings}
+    return TrainerClient(redis, run=run, consumer="trainer",
+                         settings=TrainerClientSettings(inference_urls=urls, **given))
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> Any:
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def served(vllm_server: VllmProcess, tiny_model: Path) -> Iterator[VllmProcess]:
+    """The session's server; its starting weights are reloaded afterwards for other tests."""
+    yield vllm_server
+    httpx.post(f"{vllm_server.url}/collective_rpc", timeout=120, json={
+        "method": "reload_weights", "kwargs": {"weights_path": str(tiny_model)}})
+    httpx.post(f"{vllm_server.url}/resume", timeout=30)
+
+
+@pytest.fixture(scope="module")
+def second_server(vllm_server: VllmProcess, tiny_model: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
+    server = VllmProcess(vllm_server.python, tiny_model,
+                         tmp_path_factory.mktemp("vllm-b") / "server.log",
+                         compile_cache=vllm_server.compile_cache,
+                         weight_transfer="rollq_tcp")
+    yield server.start()
+    server.stop()
+
+
+async def test_transfer_serves_the_trainers_weights_and_reload_still_works(
+    served: VllmProcess, redis: aioredis.Redis, tiny_model: Path, tmp_path: Path,
+) -> None:
+    url = served.url
+    first, second = perturbed(tiny_model, 1), perturbed(tiny_model, 2)
+    assert largest_gap(url, first) > 0.01  # the server does not serve these weights yet
+    async with client(redis, "transfer", url, transfer_chunk_bytes=256 * 1024) as tc:
+        assert await tc.publish_policy(1, first) == 1
+        assert largest_gap(url, first) < TOLERANCE
+        assert await tc.publish_policy(2, second) == 2
+        assert largest_gap(url, second) < TOLERANCE
+        parameter_bytes = sum(p.numel() * 4 for p in second.parameters())
+        assert tc.stats.sync_bytes["transfer"] == 2 * parameter_bytes
+        assert tc.stats.sync_seconds["transfer"].count == 2
+        assert tc._publisher.reinits == 1  # set up once, reused by the second sync
+    assert weight_version(url) == "2" and not is_paused(url)
+    assert await run_version(redis, "transfer") == 2
+
+    second.save_pretrained(tmp_path / "w", safe_serialization=True)
+    third = perturbed(tiny_model, 3)
+    third.save_pretrained(tmp_path / "w3", safe_serialization=True)
+    async with client(redis, "transfer", url, weight_sync="reload") as tc:
+        await tc.publish_policy(3, tmp_path / "w3")  # a server with transfer still reloads
+    assert largest_gap(url, third) < TOLERANCE
+
+
+async def test_external_pauses_around_the_trainers_own_move(
+    served: VllmProcess, redis: aioredis.Redis, tiny_model: Path, tmp_path: Path,
+) -> None:
+    url = served.url
+    model = perturbed(tiny_model, 4)
+    model.save_pretrained(tmp_path / "own", safe_serialization=True)
+    seen: list[bool] = []
+
+    def move() -> None:  # the trainer's own mechanism: here a reload it asks for itself
+        seen.append(is_paused(url))
+        httpx.post(f"{url}/collective_rpc", timeout=120, json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "own")}}
+        ).raise_for_status()
+
+    def broken() -> None:
+        seen.append(is_paused(url))
+        raise RuntimeError("the trainer's broadcast failed")
+
+    async with client(redis, "external", url, weight_sync="external") as tc:
+        assert await tc.publish_policy(5, move) == 5
+        assert seen == [True] and not is_paused(url)
+        assert largest_gap(url, model) < TOLERANCE and weight_version(url) == "5"
+        with pytest.raises(WeightSyncError) as raised:
+            await tc.publish_policy(6, broken)
+    assert raised.value.failures == {"trainer": "RuntimeError: the trainer's broadcast failed"}
+    assert seen == [True, True] and not is_paused(url)  # resumed after the failure
+    assert await run_version(redis, "external") == 5 and weight_version(url) == "5"
+
+
+async def test_a_server_added_then_killed_mid_update_then_restarted(
+    served: VllmProcess, second_server: VllmProcess, redis: aioredis.Redis, tiny_model: Path,
+) -> None:
+    a, b = served.url, second_server.url
+    async with client(redis, "faults", a, transfer_chunk_bytes=128 * 1024) as tc:
+        model = perturbed(tiny_model, 5)
+        await tc.publish_policy(1, model)
+        tc.set_inference_urls([a, b])  # a server added between syncs: set up again for both
+        model = perturbed(tiny_model, 6)
+        await tc.publish_policy(2, model)
+        assert tc._publisher.reinits == 2
+        assert largest_gap(a, model) < TOLERANCE and largest_gap(b, model) < TOLERANCE
+
+        def killing_b(weights: Any) -> Iterator[tuple[str, Any]]:
+            for index, pair in enumerate(weights.named_parameters()):
+                if index == 6:  # a few chunks in: b is killed in the middle of the update
+                    second_server.kill()
+                yield pair
+
+        with pytest.raises(WeightSyncError) as raised:
+            await tc.publish_policy(3, killing_b(perturbed(tiny_model, 7)))
+        assert list(raised.value.failures) == [b], raised.value.failures
+        assert not is_paused(a) and weight_version(a) == "2"
+        assert await run_version(redis, "faults") == 2  # nothing moved in the run's books
+        server_logprobs(a, PROMPTS[0])  # a still serves (what it took of step 3 is finished)
+
+        second_server.start()  # b restarts; the next sync sets the transfer up again
+        model = perturbed(tiny_model, 8)
+        await tc.publish_policy(4, model)
+        assert tc._publisher.reinits == 3
+        assert largest_gap(a, model) < TOLERANCE and largest_gap(b, model) < TOLERANCE
+    assert await run_version(redis, "faults") == 4
+
+
+TRAINER = """
+import asyncio, sys, time
+import redis.asyncio as aioredis, torch
+from transformers import AutoModelForCausalLM
+from consumers.trainer import TrainerClient, TrainerClientSettings
+
+async def main():
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32)
+    def slow():
+        for index, pair in enumerate(model.named_parameters()):
+            if index == 6:
+                print("mid-update", flush=True)
+                time.sleep(600)  # killed here
+            yield pair
+    settings = TrainerClientSettings(inference_urls=(sys.argv[3],), weight_sync="transfer",
+                                     transfer_backend="rollq_tcp", transfer_chunk_bytes=65536)
+    redis = aioredis.Redis.from_url(sys.argv[1])
+    async with TrainerClient(redis, run="killed", consumer="t", settings=settings) as tc:
+        await tc.publish_policy(1, slow())
+
+asyncio.run(main())
+"""
+
+
+def test_a_trainer_killed_mid_update_leaves_the_server_paused_until_its_restart_syncs(
+    served: VllmProcess, redis_server: RedisServer, tiny_model: Path,
+) -> None:
+    url = served.url
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, redis_server.url,
+                                str(tiny_model), url], stdout=subprocess.PIPE,
+                               env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    try:
+        assert trainer.stdout is not None
+        for line in trainer.stdout:  # its log lines, then the marker
+            if line.strip() == b"mid-update":
+                break
+        else:
+            pytest.fail(f"the trainer exited with {trainer.wait()} before the update")
+        time.sleep(0.5)
+        assert is_paused(url)
+    finally:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        if trainer.stdout is not None:
+            trainer.stdout.close()
+    # Half of the weights are new: the server stays paused rather than serve that mix as
+    # nobody's version. The restarted trainer's first sync finishes and replaces it.
+    assert is_paused(url)
+    model = perturbed(tiny_model, 9)
+
+    async def restarted_trainer() -> None:
+        redis = aioredis.Redis.from_url(redis_server.url)
+        async with client(redis, "killed", url) as tc:
+            await tc.publish_policy(1, model)
+        await redis.aclose()
+
+    asyncio.run(restarted_trainer())
+    assert not is_paused(url) and weight_version(url) == "1"
+    assert largest_gap(url, model) < TOLERANCE
