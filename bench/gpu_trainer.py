@@ -354,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("json", "warning")  # as a deployed trainer, minus info lines
     began = time.monotonic()
     device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # --tiny on shared cores: spinning OpenMP threads stall
     shape = Shape(16, 32, 8) if args.tiny else Shape(16, 2048, 256)
     model = build_model(args.tiny, device)
     params = sum(p.numel() for p in model.parameters())
@@ -421,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(out) / "gpu_trainer.json"
         path.write_text(json.dumps(record, indent=1))
         print(f"wrote {path}")
+    print(f"gpu_trainer: done in {time.monotonic() - began:.0f} s")
     return 0
 
 
