@@ -44,7 +44,7 @@ import redis.asyncio as aioredis
 
 from bench.bus import Result, run_raw
 from bench.common import BenchRedis, median_of, payload_bytes, print_table
-from bench.scorer import _sentence, make_problem
+from bench.rollouts import make_problem, make_sentence
 from bench.trainer import (
     RUN,
     SCORED,
@@ -96,7 +96,7 @@ def long_text(rng: np.random.Generator, chars: int, answer: str) -> str:
     steps: list[str] = []
     size = 0
     while size < chars:
-        sentence = _sentence(rng, len(steps))
+        sentence = make_sentence(rng, len(steps))
         steps.append(sentence)
         size += len(sentence) + 1
     return f"<think>\n{' '.join(steps)}\n</think>\nThe answer is $\\boxed{{{answer}}}$."

@@ -32,9 +32,9 @@ class BenchRedis(RedisProcess):
     """The embedded redis-server (``ops.stack``) in a temporary directory, persistence off;
     use as a context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, binary: str | None = None) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="rollq-bench-redis-")
-        super().__init__(Path(self._dir.name))
+        super().__init__(Path(self._dir.name), binary=binary)
 
     def stop(self) -> None:
         super().stop()

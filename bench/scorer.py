@@ -54,6 +54,7 @@ import redis.asyncio as aioredis
 import yaml
 
 from bench.common import BenchRedis, median_of, print_table, redis_cpu
+from bench.rollouts import make_completion_text, make_problem
 from consumers.bus import StreamReader
 from consumers.scorer.bridge import GroupScore, RewardBridge
 from consumers.scorer.config import RewardConfig
@@ -85,103 +86,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 
-# ----------------------------------------------------------------------------- text
-
-
-_NAMES = ("Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Mark", "Ken", "Alexis",
-          "Tina", "Randy", "Joy", "Carla", "Mei", "Samir", "Olga")
-_ITEMS = ("clips", "apples", "pages", "marbles", "cookies", "stickers", "books", "pencils",
-          "eggs", "tickets", "shells", "cupcakes")
-_FILLER = (
-    "Let me re-read the problem to make sure I have the quantities right.",
-    "I should be careful with the units here.",
-    "Hmm, wait, let me double-check that step before moving on.",
-    "That seems reasonable, so I will continue with the next part.",
-    "Let me organise what we know so far.",
-    "Actually, I think there is a simpler way to see this.",
-    "So far everything is consistent with the statement of the problem.",
-    "Okay, now the remaining part of the question.",
-)
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    gold: str
-    """The gold answer as the env stores it in ``metadata["answer"]``."""
-    answer: str
-    """The correct answer as LaTeX (what goes into ``\\boxed{}``)."""
-    wrong: str
-
-
-def make_problem(rng: np.random.Generator) -> Problem:
-    """A GSM8K-like word problem (integer answer) or a MATH-like one (fraction answer)."""
-    name, item = _NAMES[int(rng.integers(len(_NAMES)))], _ITEMS[int(rng.integers(len(_ITEMS)))]
-    if rng.random() < 0.6:
-        a, b, c = (int(x) for x in rng.integers(3, 60, 3))
-        total = a * b - c
-        prompt = (f"{name} has {a} boxes with {b} {item} in each box. {name} gives away {c} "
-                  f"{item}. How many {item} does {name} have left?")
-        return Problem(prompt, str(total), str(total), str(total + int(rng.integers(1, 9))))
-    p, q = (int(x) for x in rng.integers(2, 13, 2))
-    q += p  # p/q < 1
-    g = int(np.gcd(p, q))
-    frac = f"\\frac{{{p // g}}}{{{q // g}}}"
-    prompt = (f"A bag holds {q} {item}, {p} of them red. What fraction of the {item} are red? "
-              "Express your answer as a common fraction.")
-    wrong = f"\\frac{{{q // g}}}{{{p // g + q // g}}}"
-    return Problem(prompt, f"${frac}$", frac, wrong)
-
-
-def _sentence(rng: np.random.Generator, step: int) -> str:
-    a, b, c = (int(x) for x in rng.integers(2, 99, 3))
-    kind = int(rng.integers(7))
-    if kind == 0:
-        return f"Step {step}: we multiply {a} by {b}, so ${a} \\times {b} = {a * b}$."
-    if kind == 1:
-        return (f"Then we subtract {c} from that: ${a * b} - {c} = {a * b - c}$, which is "
-                f"what is left after this step.")
-    if kind == 2:
-        return (f"The fraction of the total is $\\frac{{{a}}}{{{a + b}}}$, and simplifying "
-                f"by the common factor gives $\\frac{{{a // int(np.gcd(a, a + b))}}}"
-                f"{{{(a + b) // int(np.gcd(a, a + b))}}}$.")
-    if kind == 3:
-        return (f"Adding the two amounts, ${a} + {b} = {a + b}$, and then {c} more makes "
-                f"{a + b + c} in total.")
-    if kind == 4:
-        return (f"If each of the {a} groups has {b} items, the number of items is {a * b}; "
-                f"dividing by {c} gives about {a * b / c:.2f}.")
-    if kind == 5:
-        return f"Let $x$ be the unknown amount. Then $x + {a} = {a + b}$, so $x = {b}$."
-    return _FILLER[int(rng.integers(len(_FILLER)))]
-
-
-def make_completion_text(rng: np.random.Generator, problem: Problem,
-                         correct: bool) -> tuple[str, str]:
-    """A completion in one of the shapes policies produce, and its finish reason.
-
-    55% open-r1 format (``<think>\\n…\\n</think>\\n<answer>\\n…\\n</answer>``), 25% a
-    think block then a prose answer, 10% no tags, 10% truncated inside the reasoning.
-    """
-    target = int(rng.integers(900, 2900))
-    steps = ["Let me work through this step by step."]
-    size = len(steps[0])
-    while size < target:
-        sentence = _sentence(rng, len(steps))
-        steps.append(sentence)
-        size += len(sentence) + 1
-    reasoning = " ".join(steps)
-    answer = problem.answer if correct else problem.wrong
-    shape = rng.random()
-    if shape < 0.55:
-        return (f"<think>\n{reasoning}\n</think>\n<answer>\nThe answer is "
-                f"$\\boxed{{{answer}}}$.\n</answer>", "stop")
-    if shape < 0.80:
-        return (f"<think>\n{reasoning}\n</think>\n\nSo the final answer is "
-                f"$\\boxed{{{answer}}}$.", "stop")
-    if shape < 0.90:
-        return f"{reasoning}\n\nTherefore the answer is $\\boxed{{{answer}}}$.", "stop"
-    return f"<think>\n{reasoning}", "length"
+# ----------------------------------------------------------------------------- groups
 
 
 def make_group(rng: np.random.Generator, group_size: int, run: str = RUN,

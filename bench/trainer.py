@@ -72,7 +72,7 @@ from bench.common import (
     report_role,
     run_role_processes,
 )
-from bench.scorer import make_completion_text, make_problem
+from bench.rollouts import RUN, grpo_scored, make_group, make_groups
 from consumers.bus import Delivery, ReaderSettings, StreamReader
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
@@ -81,20 +81,11 @@ from consumers.stage import Stage
 from consumers.trainer import TrainerClient, TrainerClientSettings, pad_groups
 from ops.logging import configure_logging
 from producers.publisher import Publisher
-from schemas import (
-    Completion,
-    Fields,
-    ScoredGroup,
-    SequenceScore,
-    TrajectoryGroup,
-    decode_scored,
-    encode,
-)
+from schemas import Fields, TrajectoryGroup, decode_scored, encode
 from schemas.decoding import decode_scored_columns
 from schemas.heap import freeze_heap
 from schemas.keys import stream_key
 
-RUN = "benchtrainer"
 TRAJ = stream_key(RUN, 0, "traj")
 SCORED = stream_key(RUN, 0, "scored")
 TARGET_P99_MS = 25.0
@@ -112,69 +103,6 @@ REWARD = {
     ],
     "advantages": {"zero_variance": "keep"},
 }
-
-
-# --------------------------------------------------------------------------- payloads
-
-
-def _short_text(rng: np.random.Generator, answer: str) -> str:
-    a, b = (int(x) for x in rng.integers(2, 99, 2))
-    return (f"<think>\nWe need {a} times {b}: ${a} \\times {b} = {a * b}$, then compare "
-            f"with the question.\n</think>\nThe answer is $\\boxed{{{answer}}}$.")
-
-
-def make_group(rng: np.random.Generator, group_size: int, seq_len: int, prompt_len: int,
-               short_text: bool) -> TrajectoryGroup:
-    """A trajectory group; ``short_text``: ~120 B per completion, else 1-3 KB."""
-    problem = make_problem(rng)
-    completions = []
-    for _ in range(group_size):
-        correct = bool(rng.random() < 0.5)
-        answer = problem.answer if correct else problem.wrong
-        if short_text:
-            text, finish = _short_text(rng, answer), "stop"
-        else:
-            text, finish = make_completion_text(rng, problem, correct)
-        completions.append(Completion(
-            completion_ids=rng.integers(0, 150_000, seq_len, dtype=np.int32),
-            logprobs=-rng.random(seq_len, dtype=np.float32) * 2,
-            loss_mask=np.ones(seq_len, np.uint8),
-            policy_version=0, finish_reason=finish, text=text,
-        ))
-    now = time.time()
-    return TrajectoryGroup(
-        group_id=uuid.uuid4().hex, run=RUN, env="math", policy_version=0,
-        prompt_ids=rng.integers(0, 150_000, prompt_len, dtype=np.int32),
-        prompt_text=problem.prompt, completions=tuple(completions),
-        metadata={"answer": problem.gold}, created_at=now, finished_at=now,
-    )
-
-
-def make_groups(count: int, group_size: int, seq_len: int, prompt_len: int,
-                short_text: bool, distinct: int = 16) -> list[TrajectoryGroup]:
-    """``count`` groups with unique ids from ``distinct`` random bases."""
-    rng = np.random.default_rng(0)
-    bases = [make_group(rng, group_size, seq_len, prompt_len, short_text)
-             for _ in range(min(distinct, count))]
-    return [bases[i % len(bases)].model_copy(update={"group_id": uuid.uuid4().hex})
-            for i in range(count)]
-
-
-def grpo_scored(group: TrajectoryGroup, rng: np.random.Generator) -> ScoredGroup:
-    """Scores as a GRPO scorer forwards them: random 0/1 rewards, normalised advantages
-    broadcast over each completion's tokens."""
-    rewards = rng.integers(0, 2, len(group.completions)).astype(np.float32)
-    advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
-    return ScoredGroup(
-        trajectory=group,
-        scores=tuple(
-            SequenceScore(reward=float(r), advantage=float(a),
-                          token_advantages=np.full(len(c.completion_ids), a, np.float32),
-                          components={"accuracy": float(r)})
-            for r, a, c in zip(rewards, advantages, group.completions, strict=True)
-        ),
-        weights={"accuracy": 1.0}, reward_config="bench", scored_at=time.time(),
-    )
 
 
 def _client(url: str) -> aioredis.Redis:

@@ -32,8 +32,10 @@ class RedisProcess:
     """A redis-server on a free loopback port; ``restart`` keeps its data directory."""
 
     def __init__(self, directory: Path, *, appendonly: bool = False,
-                 appendfsync: str = "always", port: int | None = None) -> None:
-        binary = shutil.which("redis-server")
+                 appendfsync: str = "always", port: int | None = None,
+                 binary: str | None = None) -> None:
+        """``binary``: the redis-server executable to run (default: the one on PATH)."""
+        binary = binary or shutil.which("redis-server")
         if binary is None:
             raise ConfigError("redis-server is not installed (Debian: apt-get install "
                               "redis-server), or pass --redis-url to use a running one")
