@@ -22,6 +22,7 @@ import argparse
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>"]  # plain (non-special) added tokens, as in Qwen3
@@ -115,8 +116,18 @@ def _dump(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def write_tiny_model(directory: Path, *, seed: int = 0) -> Path:
-    """Write a tiny Qwen2ForCausalLM + tokenizer into ``directory`` and return it."""
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    # ~105M parameters (bench.weight_sync): Qwen2's proportions at 12 layers
+    "100m": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64},
+}
+
+
+def write_tiny_model(directory: Path, *, seed: int = 0, shape: str = "tiny") -> Path:
+    """Write a random Qwen2ForCausalLM + its tokenizer into ``directory`` and return it;
+    ``shape`` picks the size from ``SHAPES`` (the same tokenizer for every size)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -127,12 +138,7 @@ def write_tiny_model(directory: Path, *, seed: int = 0) -> Path:
 
     config = Qwen2Config(  # type: ignore[call-arg]  # transformers' stubs lag its kwargs
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
+        **SHAPES[shape],
         max_position_embeddings=1024,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,

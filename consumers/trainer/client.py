@@ -139,6 +139,8 @@ class TrainerClient:
                                   log=log)
         self.stats = TrainerStats()
         """What this client did (batches, steps, staleness): the trainer's metrics."""
+        self.last_sync: SyncReport | None = None
+        """What the last successful ``publish_policy`` cost (seconds, paused, bytes)."""
         self._prefetcher = Prefetcher(
             lambda size, prefetch: self._next_batch(size, None, prefetch=prefetch),
             run=self.run, name=f"rollq-prefetch-{self.consumer}")
@@ -466,6 +468,7 @@ class TrainerClient:
         else:
             report = await self._publisher.sync(method, step, weights, raise_version)
         self.stats.synced(report)
+        self.last_sync = report
         self._version = step
         log.info("policy_published", run=self.run, step=step, in_force=raised[0],
                  servers=len(self._publisher.urls), method=method,

@@ -36,6 +36,8 @@ import httpx
 
 _COUNT = struct.Struct("<Q")
 BACKEND_TCP = "rollq_tcp"
+DISCARD: dict[str, Any] = {"discard": True}
+"""rollq_tcp's ``update_weights`` payload that drops what a server staged."""
 
 
 class ServersFailed(Exception):
@@ -61,6 +63,10 @@ class ServerFanout:
         self.urls = urls
         self.http = http
         self.workers_per_server = workers_per_server
+        self.discard_update: dict[str, Any] | None = None
+        """An ``update_weights`` payload that makes a server drop a half-staged update
+        (rollq_tcp's ``{"discard": true}``), sent before the finish that frees a stuck one:
+        a staged backend must not apply a dead sync's leftovers."""
         self.bytes_sent = 0
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(urls)),
                                         thread_name_prefix="rollq-sync")
@@ -114,6 +120,9 @@ class ServerFanout:
         except ServersFailed as exc:
             stuck = list(exc.failures)
             try:
+                if self.discard_update is not None:
+                    self.post_all("update_weights", "/update_weights",
+                                  {"update_info": self.discard_update}, urls=stuck)
                 self.post_all("finish_weight_update", "/finish_weight_update", urls=stuck)
             except ServersFailed:
                 pass  # not mid-update after all: the second start gives the verdict
@@ -176,7 +185,11 @@ def _raw(tensor: Any) -> memoryview:
 
 class TcpTrainerEngine:
     """The trainer side of ``rollq_tcp``: serves each chunk's bytes to every worker that
-    connects with the chunk's ticket while ``/update_weights`` runs on every server."""
+    connects with the chunk's ticket while ``/update_weights`` runs on every server.
+
+    The servers stage what they receive and apply it at ``/finish_weight_update``
+    (ops/vllm_plugin): ``stage()`` (start and every chunk) can run while they serve, and
+    only the finish needs them paused. ``send_weights()`` is both, vLLM's one-call form."""
 
     init_info_cls = TcpTrainerInitInfo
 
@@ -197,6 +210,8 @@ class TcpTrainerEngine:
             listener = socket.create_server((init_info.host, init_info.port), backlog=64)
             listener.settimeout(0.05)
             engine._listener = listener
+            if hasattr(client, "discard_update"):
+                client.discard_update = DISCARD
             client.init_weight_transfer_engine({"timeout_s": init_info.timeout_s})
         return engine
 
@@ -209,6 +224,12 @@ class TcpTrainerEngine:
 
     def send_weights(self, weight_version: str | None = None) -> None:
         """One sync: start, every chunk, finish (``weight_version`` tags it)."""
+        self.stage()
+        if self.is_sender:
+            self.client.finish_weight_update(weight_version)
+
+    def stage(self) -> None:
+        """Start and send every chunk: the servers hold the weights, not yet applied."""
         if self.source is None:
             raise ValueError("rollq_tcp needs a source of (name, tensor) pairs")
         if not self.is_sender:
@@ -218,7 +239,15 @@ class TcpTrainerEngine:
         self.client.start_weight_update()
         for chunk in chunks(self.source, self.info.chunk_bytes):
             self._send_chunk(chunk)
-        self.client.finish_weight_update(weight_version)
+
+    def discard(self) -> None:
+        """Make every server drop what it staged (and end the update, applying nothing)."""
+        for call in (lambda: self.client.update_weights(DISCARD),
+                     self.client.finish_weight_update):
+            try:
+                call()
+            except Exception:  # a server not mid-update (or gone): nothing to drop there
+                pass
 
     def _send_chunk(self, chunk: list[tuple[str, Any]]) -> None:
         ticket = secrets.token_hex(16)

@@ -18,23 +18,26 @@ translated here and nowhere else.
 
 ``transfer`` and ``external`` (``sync``) treat the servers as one unit, in phases:
 
+    0. ``transfer`` on ``rollq_tcp`` only: start and every chunk while the servers still
+       serve; they stage the bytes and touch nothing (ops/vllm_plugin)
     1. pause every server (``pause_mode``)
-    2. move the weights: ``transfer`` runs vLLM's weight-transfer protocol to every server
-       at once (``consumers.trainer.transfer``: init when needed, start, update in chunks,
-       finish); ``external`` calls the trainer's own ``move`` (its NCCL group, a checkpoint
-       engine), or nothing when the weights are already there
+    2. apply: ``rollq_tcp`` finishes (each server loads what it staged); ``nccl``/``ipc``
+       run vLLM's whole protocol (``consumers.trainer.transfer``: init when needed, start,
+       update in chunks loaded as they arrive, finish); ``external`` calls the trainer's
+       own ``move`` (its NCCL group, a checkpoint engine), or nothing
     3. ``/reset_prefix_cache`` and ``/update_weight_version`` on every server
     4. ``on_updated()``: the caller raises the run's policy version, BEFORE any server
        resumes, so no request can start on the new weights under the old version
     5. resume every server that may have been paused, whatever happened before
 
-A failure in 1-3 skips the later phases up to 5 and raises ``WeightSyncError`` naming each
-failed server (``trainer`` when the trainer's side failed): every server resumed, the run's
-version unchanged. The transfer engine is initialised on the first sync and again after a
-failed sync, a change of the server list, or a server whose ``/weight_info`` no longer shows
-the last version synced (it restarted). A server left mid-update by a trainer that died is
-finished and restarted by the next sync's start; until a full sync lands it stays paused,
-since it may hold half-updated weights.
+A failure in 0 drops what the servers staged and raises before anything paused; a failure
+in 1-3 skips the later phases up to 5. Either way ``WeightSyncError`` names each failed
+server (``trainer`` when the trainer's side failed), every server is resumed and the run's
+version is unchanged. The transfer engine is initialised on the first sync and again after
+a failed sync, a change of the server list, or a server whose ``/weight_info`` no longer
+shows the last version synced (it restarted). A server that vLLM still holds mid-update
+(its trainer died) is freed by the next sync's start: staged leftovers are dropped, an
+in-place update is finished.
 """
 
 from __future__ import annotations
@@ -145,25 +148,37 @@ class PolicyPublisher:
         or ``external`` (``weights``: a callable that moves them, sync or async, or None),
         in the phases of the module docstring. Raises WeightSyncError."""
         started = time.monotonic()
+        staged = method == "transfer" and self.transfer_backend == BACKEND_TCP
+        moved = 0
+        if staged:  # the bytes travel while the servers still serve
+            try:
+                moved = await self._transfer(step, weights, stage_only=True)
+            except Exception as exc:
+                failures = _failures(exc)
+                await asyncio.to_thread(self._discard)
+                self._drop_engine()
+                self._synced = None
+                raise WeightSyncError(step, failures) from None
         failures = await self._each("pause", "/pause", params={"mode": self.pause_mode})
         reached = [url for url in self.urls if not failures.get(url, "").startswith(
             "pause: cannot connect")]
         paused_at = time.monotonic()
-        moved = 0
         if not failures:
             try:
-                if method == "transfer":
-                    moved = await self._transfer(step, weights)
+                if staged:
+                    assert self._fanout is not None
+                    await asyncio.to_thread(self._fanout.finish_weight_update)
+                elif method == "transfer":
+                    moved = await self._transfer(step, weights, stage_only=False)
                 elif weights is not None:
                     result = weights() if callable(weights) else None
                     if inspect.isawaitable(result):
                         await result
-            except ServersFailed as exc:
-                failures.update({url: f"{exc.step}: {why}" for url, why in exc.failures.items()})
-            except Exception as exc:  # the trainer's side: a bad source, its own move failed
-                failures["trainer"] = f"{type(exc).__name__}: {exc}"
-            if failures:
+            except Exception as exc:
+                failures.update(_failures(exc))
                 self._drop_engine()
+        elif staged:
+            await asyncio.to_thread(self._discard)
         if not failures:
             failures.update(await self._each("reset_prefix_cache", "/reset_prefix_cache"))
         if not failures:
@@ -194,14 +209,14 @@ class PolicyPublisher:
         results = await asyncio.gather(*(one(url) for url in targets))
         return {url: why for url, why in zip(targets, results, strict=True) if why}
 
-    async def _transfer(self, step: int, weights: Any) -> int:
+    async def _transfer(self, step: int, weights: Any, *, stage_only: bool) -> int:
         if weights is None:
             raise ValueError("weight_sync='transfer' needs the model (or its (name, tensor) "
                              "pairs) to send")
         if self._engine is not None and (self._engine_urls != self.urls
                                          or await self._restarted()):
             self._drop_engine()
-        return await asyncio.to_thread(self._send, step, weights)
+        return await asyncio.to_thread(self._send, step, weights, stage_only)
 
     async def _restarted(self) -> bool:
         """Whether any server no longer reports the version the last sync set."""
@@ -216,8 +231,9 @@ class PolicyPublisher:
         found = await asyncio.gather(*(version(url) for url in self.urls))
         return any(v != self._synced for v in found)
 
-    def _send(self, step: int, weights: Any) -> int:
-        """One transfer, on a worker thread (the engines block)."""
+    def _send(self, step: int, weights: Any, stage_only: bool) -> int:
+        """One transfer, on a worker thread (the engines block); ``stage_only``: rollq_tcp's
+        start and chunks, its finish comes once the servers are paused."""
         source = _pairs(weights) if self.transfer_backend == BACKEND_TCP else weights
         if self._engine is None:
             # No keep-alive: a vLLM route that fails closes its connection, and the next
@@ -240,15 +256,24 @@ class PolicyPublisher:
             self.reinits += 1
         self._engine.source = source
         before = getattr(self._engine, "bytes_sent", 0)
-        try:
-            self._engine.send_weights()
-        except BaseException:
-            self._abandon_update()
-            raise
+        if stage_only:
+            self._engine.stage()
+        else:
+            try:
+                self._engine.send_weights()
+            except BaseException:
+                self._abandon_update()
+                raise
         return int(getattr(self._engine, "bytes_sent", 0)) - int(before)
 
+    def _discard(self) -> None:
+        """Drop what a failed staging left on the servers (rollq_tcp): nothing is applied."""
+        if isinstance(self._engine, TcpTrainerEngine):
+            self._engine.discard()
+
     def _abandon_update(self) -> None:
-        """After a failed transfer: finish the update on every server still in it, so each
+        """After a failed in-place transfer (nccl, ipc: the servers load each chunk as it
+        arrives, while paused): finish the update on every server still in it, so each
         layer serves either the new weights (received) or the old ones (not received),
         instead of being left half set up. That mix is one more behaviour policy: the
         sampler's logprobs are recorded, so the importance ratio still corrects for it,
@@ -307,6 +332,13 @@ class PolicyPublisher:
             raise _StepFailed(step, f"HTTP {response.status_code}: {_message(response)}")
         if _body(response).get("success") is False:
             raise _StepFailed(step, f"server answered success=false: {response.text[:200]}")
+
+
+def _failures(exc: Exception) -> dict[str, str]:
+    """Who failed, from a transfer's or a move's exception."""
+    if isinstance(exc, ServersFailed):
+        return {url: f"{exc.step}: {why}" for url, why in exc.failures.items()}
+    return {"trainer": f"{type(exc).__name__}: {exc}"}  # a bad source, the trainer's own move
 
 
 def _pairs(weights: Any) -> Any:

@@ -21,19 +21,30 @@ The wire, per ``update_weights`` chunk (the trainer holds a listening socket):
 2. every worker of the server connects to ``address`` and sends ``ticket`` + ``\\n``;
 3. the trainer answers an 8-byte little-endian byte count, then each tensor's raw bytes in
    ``names`` order (C-contiguous, native little-endian, the dtype named);
-4. the worker checks the count against the shapes, receives into fresh tensors and loads
-   them with ``model.load_weights`` inside vLLM's layerwise reload (started by
-   ``/start_weight_update``, finalised by ``/finish_weight_update``), as the NCCL engine does.
+4. the worker checks the count against the shapes and returns: the bytes are received
+   into fresh host tensors by a thread of the worker, while the server goes on serving.
 
-Failure: a refused connection, a wrong count or a stream cut short raises in the worker, so
-``/update_weights`` answers an error and the trainer sees which server failed. The worker
-keeps no connection between chunks: a restarted trainer needs no clean-up here.
+Staged, then swapped: ``/start_weight_update`` and every ``/update_weights`` leave the
+model alone, so the trainer ships the bytes before it pauses the server;
+``/finish_weight_update`` (sent once paused) waits for every stream to end, then loads the
+staged tensors with ``model.load_weights`` inside vLLM's layerwise reload, as the NCCL
+engine does. Generation stops only for that copy. The cost: the server holds one host
+copy of the weights during a sync.
+
+Failure: a refused connection, a wrong count or a stream cut short fails
+``/update_weights`` or ``/finish_weight_update`` before the model is touched, so the
+server keeps serving its old weights whole. ``{"discard": true}`` as an update drops what
+was staged (a trainer that gave up, or a new trainer freeing a server that vLLM still
+holds mid-update). The worker keeps no connection between syncs.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +89,15 @@ def receive_into(sock: socket.socket, buffer: memoryview) -> None:
 def receive_tensors(address: str, ticket: str, names: list[str], dtype_names: list[str],
                     shapes: list[list[int]], timeout_s: float) -> list[tuple[str, Any]]:
     """Connect to the trainer's sender and receive one chunk's tensors (on the CPU)."""
+    stream = open_stream(address, ticket, names, dtype_names, shapes, timeout_s)
+    return stream()
+
+
+def open_stream(address: str, ticket: str, names: list[str], dtype_names: list[str],
+                shapes: list[list[int]], timeout_s: float
+                ) -> Callable[[], list[tuple[str, Any]]]:
+    """Connect, present the ticket and check the byte count; the returned call receives the
+    tensors (it closes the connection), so a thread can take the body."""
     import torch
 
     if not len(names) == len(dtype_names) == len(shapes):
@@ -87,7 +107,8 @@ def receive_tensors(address: str, ticket: str, names: list[str], dtype_names: li
                zip(dtype_names, shapes, strict=True)]
     expected = sum(t.numel() * t.element_size() for t in tensors)
     host, _, port = address.rpartition(":")
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+    sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+    try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.sendall(ticket.encode() + b"\n")
         header = bytearray(_COUNT.size)
@@ -96,10 +117,26 @@ def receive_tensors(address: str, ticket: str, names: list[str], dtype_names: li
         if count != expected:
             raise ValueError(f"trainer sends {count} bytes, the shapes and dtypes of this "
                              f"chunk need {expected}")
-        for tensor in tensors:
-            if tensor.numel():
-                receive_into(sock, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
-    return list(zip(names, tensors, strict=True))
+    except BaseException:
+        sock.close()
+        raise
+
+    def body() -> list[tuple[str, Any]]:
+        with sock:
+            for tensor in tensors:
+                if tensor.numel():
+                    receive_into(sock, memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
+        return list(zip(names, tensors, strict=True))
+
+    return body
+
+
+def _fill(stream: Future[list[tuple[str, Any]]], body: Callable[[], list[tuple[str, Any]]]
+          ) -> None:
+    try:
+        stream.set_result(body())
+    except BaseException as exc:
+        stream.set_exception(exc)
 
 
 def _engine_classes() -> tuple[type, type, type]:
@@ -117,8 +154,10 @@ def _engine_classes() -> tuple[type, type, type]:
 
     @dataclass
     class TcpUpdateInfo(WeightTransferUpdateInfo):
-        address: str
-        ticket: str
+        address: str = ""
+        ticket: str = ""
+        discard: bool = False
+        """Drop what this update staged so far (the trainer abandoned it)."""
         names: list[str] = field(default_factory=list)
         dtype_names: list[str] = field(default_factory=list)
         shapes: list[list[int]] = field(default_factory=list)
@@ -127,37 +166,48 @@ def _engine_classes() -> tuple[type, type, type]:
         init_info_cls = TcpInitInfo
         update_info_cls = TcpUpdateInfo
         timeout_s = 120.0
+        _streams: list[Future[list[tuple[str, Any]]]]
 
         def init_transfer_engine(self, init_info: TcpInitInfo) -> None:
             self.timeout_s = init_info.timeout_s
+            self._streams = []
 
         def start_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
-
-        def finish_weight_update(self) -> None:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
+            self._streams = []  # a sync abandoned half-way leaves nothing behind
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
-            import torch
-
             self.receive_weights(self.parse_update_info(update_info))
-            if self.device.type != "cpu":
-                torch.accelerator.synchronize()
 
         def receive_weights(self, update_info: TcpUpdateInfo) -> None:
-            weights = receive_tensors(update_info.address, update_info.ticket,
-                                      update_info.names, update_info.dtype_names,
-                                      update_info.shapes, self.timeout_s)
+            if update_info.discard:
+                self._streams = []
+                return
+            body = open_stream(update_info.address, update_info.ticket, update_info.names,
+                               update_info.dtype_names, update_info.shapes, self.timeout_s)
+            stream: Future[list[tuple[str, Any]]] = Future()
+            threading.Thread(target=_fill, args=(stream, body), daemon=True,
+                             name="rollq-tcp-receive").start()
+            self._streams.append(stream)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            streams, self._streams = self._streams, []
+            if not streams:
+                return  # nothing staged (or discarded): the model stays as it is
+            weights = [pair for stream in streams
+                       for pair in stream.result(timeout=self.timeout_s)]
             if self.device.type != "cpu":
                 weights = [(name, tensor.to(self.device)) for name, tensor in weights]
+            initialize_layerwise_reload(self.model)
             self.model.load_weights(weights)
+            finalize_layerwise_reload(self.model, self.model_config)
 
         def shutdown(self) -> None:
-            pass
+            self._streams = []
 
     Engine.__name__ = Engine.__qualname__ = "TcpWeightTransferEngine"
     return TcpInitInfo, TcpUpdateInfo, Engine

@@ -1,0 +1,164 @@
+"""Weight sync: reload (save + every server reads the directory) against transfer (vLLM's
+weight-transfer API, rollq's CPU backend ``rollq_tcp``), on a real CPU vLLM server.
+
+    python -m bench.weight_sync [--repeats 3] [--shapes tiny,100m]
+
+For each model shape (``ops.tiny_model.SHAPES``: the tiny test model, and a random
+Qwen2-shaped ~105M-parameter model made locally) a vLLM server starts with
+``--weight-transfer-config '{"backend": "rollq_tcp"}'`` and a trainer (the SDK, one client
+per method) syncs fresh weights ``--repeats`` times by each method, interleaved so drift
+hits both alike:
+
+- reload: ``save_pretrained`` (safetensors) then ``publish_policy(step, dir)``: pause,
+  ``reload_weights``, reset the prefix cache, version, resume. Its time includes the save,
+  which a reload cannot do without; its paused time is the server's part only.
+- transfer: ``publish_policy(step, model)``: pause, start, chunks over TCP, finish, reset,
+  version, resume. Paused time: from the last pause answered to the first resume sent.
+
+After the last sync of each method the server's logprobs for a fixed prompt must equal the
+trainer model's (a sync that moved nothing would be fast too). Prints one line per shape:
+
+    weight sync: params P, reload R s (paused Rp s), transfer T s (paused Tp s), ratio R/T
+
+with medians of the repeats; ``--json PATH`` writes every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import torch
+from transformers import AutoModelForCausalLM
+
+from consumers.trainer import TrainerClient, TrainerClientSettings
+from ops.stack import RedisProcess, VllmProcess
+from ops.tiny_model import write_tiny_model
+
+PROMPT = "the quick brown fox 1 2 3"
+
+
+def largest_gap(url: str, model: Any) -> float:
+    response = httpx.post(f"{url}/v1/completions", timeout=300, json={
+        "model": "rollq-tiny", "prompt": PROMPT, "max_tokens": 1, "echo": True,
+        "logprobs": 0, "temperature": 0}).json()
+    served = response["choices"][0]["logprobs"]["token_logprobs"][1:-1]
+    tokens = httpx.post(f"{url}/tokenize", timeout=60,
+                        json={"model": "rollq-tiny", "prompt": PROMPT}).json()["tokens"]
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    own = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return max(abs(a - float(b)) for a, b in zip(served, own, strict=True))
+
+
+def nudge(model: Any, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-3)
+
+
+async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
+                  redis_url: str) -> dict[str, Any]:
+    model_dir = write_tiny_model(directory / shape, shape=shape)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = sum(p.numel() for p in model.parameters())
+    server = VllmProcess(vllm_python, model_dir, directory / f"vllm-{shape}.log",
+                         weight_transfer="rollq_tcp", max_model_len=256).start(timeout_s=600)
+    runs: dict[str, list[tuple[float, float]]] = {"reload": [], "transfer": []}
+    redis = aioredis.Redis.from_url(redis_url)
+    try:
+        base = {"inference_urls": (server.url,), "transfer_backend": "rollq_tcp",
+                "http_timeout_s": 600.0}
+        reload = TrainerClient(redis, run=f"reload-{shape}", consumer="bench",
+                               settings=TrainerClientSettings(weight_sync="reload", **base))
+        transfer = TrainerClient(redis, run=f"transfer-{shape}", consumer="bench",
+                                 settings=TrainerClientSettings(weight_sync="transfer", **base))
+        weights = directory / f"weights-{shape}"
+        gaps = {}
+        async with reload, transfer:
+            for step in range(repeats + 1):  # the first of each is a warm-up
+                nudge(model, step)
+                started = time.monotonic()
+                model.save_pretrained(weights, safe_serialization=True)
+                await reload.publish_policy(step, weights)
+                assert reload.last_sync is not None
+                if step:
+                    runs["reload"].append((time.monotonic() - started,
+                                           reload.last_sync.paused_seconds))
+                nudge(model, 1000 + step)
+                started = time.monotonic()
+                await transfer.publish_policy(step, model)
+                assert transfer.last_sync is not None
+                if step:
+                    runs["transfer"].append((time.monotonic() - started,
+                                             transfer.last_sync.paused_seconds))
+            gaps["transfer"] = largest_gap(server.url, model)
+            nudge(model, 9999)
+            model.save_pretrained(weights, safe_serialization=True)
+            await reload.publish_policy(repeats + 1, weights)
+            gaps["reload"] = largest_gap(server.url, model)
+    finally:
+        await redis.aclose()
+        server.stop()
+    return {"shape": shape, "params": params, "runs": runs, "logprob_gap": gaps}
+
+
+def line(result: dict[str, Any]) -> str:
+    def median(method: str, index: int) -> float:
+        return statistics.median(run[index] for run in result["runs"][method])
+
+    reload, transfer = median("reload", 0), median("transfer", 0)
+    return (f"weight sync: params {result['params'] / 1e6:.1f}M, reload {reload:.3f} s "
+            f"(paused {median('reload', 1):.3f} s), transfer {transfer:.3f} s "
+            f"(paused {median('transfer', 1):.3f} s), ratio {reload / transfer:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default="tiny,100m")
+    parser.add_argument("--vllm-python",
+                        default=os.environ.get("ROLLQ_TEST_VLLM_PYTHON", ".venv-vllm/bin/python"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not Path(args.vllm_python).exists():
+        print(f"weight_sync: no vLLM python at {args.vllm_python} (bash .ci/setup.sh makes "
+              "one)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # the server's worker needs the other core
+    results = []
+    with tempfile.TemporaryDirectory(prefix="rollq-weight-sync-") as tmp:
+        directory = Path(tmp)
+        redis_server = RedisProcess(directory / "redis").start()
+        try:
+            for shape in args.shapes.split(","):
+                result = asyncio.run(measure(shape, args.repeats, os.path.abspath(
+                    args.vllm_python), directory, redis_server.url))
+                results.append(result)
+                gaps = result["logprob_gap"]
+                if max(gaps.values()) > 1e-3:
+                    print(f"weight sync: {shape}: the server does not serve the trainer's "
+                          f"weights after a sync (logprob gap {gaps})", file=sys.stderr)
+                    return 1
+                print(line(result), flush=True)
+        finally:
+            redis_server.stop()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
