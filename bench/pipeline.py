@@ -78,16 +78,81 @@ def trainer_main(args: argparse.Namespace) -> int:
             if not batch.groups:
                 continue
             for group_id in batch.group_ids:  # "the optimizer step"
-                position = int(group_id.rsplit(":", 1)[1])
-                if position >= len(counts):
-                    counts.extend(bytes(position + 1 - len(counts)))
-                counts[position] = min(255, counts[position] + 1)
+                _count(counts, group_id, 1)
             time.sleep(args.step_s)
             step += 1
             client.publish_policy(step, checkpoint.parent)  # no servers: bumps the version
             batch.ack()
             _write_atomically(checkpoint, {"counts": counts.hex(), "step": step,
                                            "client": client.state()})
+
+
+def data_parallel_trainer_main(args: argparse.Namespace) -> int:
+    """The same trainer as N torchrun ranks (gloo): rank 0 is the only consumer
+    (``consumers.trainer.DataParallelSteps``) and scatters each step's sequences; every
+    rank "trains" its share; the shares are gathered to rank 0 (the toy's gradient
+    all-reduce), which counts a group trained only when every one of its sequences was
+    trained exactly once that step (else it records 100: a duplicate to the checks), then
+    acks and checkpoints. Every rank writes its pid to ``rank-<r>.pid`` beside the
+    checkpoint (for the kill harness) and loads the checkpoint on start."""
+    import torch
+    import torch.distributed as dist
+
+    from consumers.trainer import DataParallelSteps, SyncTrainerClient, TrainerClientSettings
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    checkpoint = Path(args.checkpoint)
+    _write_atomically(checkpoint.parent / f"rank-{rank}.pid",
+                      {"pid": os.getpid(), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")})
+    settings = TrainerClientSettings(batch_groups=args.batch_groups, max_staleness=None,
+                                     reclaim_idle_ms=3000, reclaim_every_s=1.0,
+                                     block_ms=200, dedup_window_s=args.dedup_window_s)
+    client = (SyncTrainerClient(args.redis_url, run=args.run, consumer="trainer-0",
+                                settings=settings).open() if rank == 0 else None)
+    try:
+        steps = DataParallelSteps(client, groups=args.batch_groups,
+                                  max_tokens=args.micro_batch_tokens)
+        counts, step = bytearray(), 0
+        if checkpoint.exists():
+            saved = json.loads(checkpoint.read_text())
+            counts, step = bytearray.fromhex(saved["counts"]), saved["step"]
+            steps.load_state(saved["client"] if rank == 0 else None)
+        idle = 0
+        while args.exit_when_idle is None or idle < args.exit_when_idle:
+            shard = steps.next_step(timeout_s=1.0)
+            if shard.empty:  # on every rank at once: they all agree when to stop
+                idle += 1
+                continue
+            idle = 0
+            mine = [i for micro in shard.sequences for i in micro]  # forward + backward
+            time.sleep(args.step_s)
+            shares: list[Any] | None = [None] * world_size if rank == 0 else None
+            dist.gather_object(mine, shares, dst=0)  # the gradient all-reduce
+            if steps.batch is None:
+                continue  # ranks 1..N-1: rank 0 holds the model
+            trained = sorted(i for share in shares or [] for i in share)
+            exact = trained == list(range(steps.batch.num_sequences))
+            for group_id in shard.group_ids:  # "the optimizer step"
+                _count(counts, group_id, 1 if exact else 100)
+            step += 1
+            steps.client.publish_policy(step, checkpoint.parent)  # type: ignore[union-attr]
+            steps.ack()
+            _write_atomically(checkpoint, {"counts": counts.hex(), "step": step,
+                                           "client": steps.state()})
+    finally:
+        if client is not None:
+            client.close()
+        dist.destroy_process_group()
+    return 0
+
+
+def _count(counts: bytearray, group_id: str, times: int) -> None:
+    position = int(group_id.rsplit(":", 1)[-1].lstrip("g"))
+    if position >= len(counts):
+        counts.extend(bytes(position + 1 - len(counts)))
+    counts[position] = min(255, counts[position] + times)
 
 
 def _write_atomically(path: Path, document: dict[str, Any]) -> None:
@@ -240,12 +305,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     trainer = sub.add_parser("trainer", help="the pipeline's trainer process")
     trainer.add_argument("--redis-url", required=True)
-    trainer.add_argument("--run", default=RUN)
+    trainer.add_argument("--run", "--run-name", default=RUN,
+                         help="the run (--run-name under torchrun, whose --run-path clashes)")
     trainer.add_argument("--checkpoint", required=True)
     trainer.add_argument("--batch-groups", type=int, default=8)
     trainer.add_argument("--step-s", type=float, default=0.4)
     trainer.add_argument("--dedup-window-s", type=float, default=6 * 3600.0)
-    return trainer_main(parser.parse_args(argv))
+    trainer.add_argument("--data-parallel", action="store_true",
+                         help="run as one of N torchrun ranks (rank 0 consumes)")
+    trainer.add_argument("--micro-batch-tokens", type=int,
+                         help="--data-parallel: token budget of a micro-batch")
+    trainer.add_argument("--exit-when-idle", type=int,
+                         help="exit 0 after this many empty 1-s reads in a row [never]")
+    args = parser.parse_args(argv)
+    return data_parallel_trainer_main(args) if args.data_parallel else trainer_main(args)
 
 
 if __name__ == "__main__":
