@@ -4,7 +4,8 @@ On a redis-server and a zero-latency fake vLLM server (``bench.workers``) it run
 ``rollq feed``, two ``rollq workers``, two ``rollq score`` and one trainer
 (``python -m bench.pipeline trainer``: the SDK's ``SyncTrainerClient``; its "model" is the
 list of group ids it trained, checkpointed after every ``ack`` together with
-``client.state()`` and restored with ``load_state`` on restart, as a real trainer does).
+``client.state()`` and restored with ``load_state`` on restart, as a real trainer does;
+with ``trainer_ranks`` above 1, N torchrun ranks of which rank 0 consumes).
 ``Role`` starts, kills and restarts one process; ``outcome`` checks that every admitted
 group was trained exactly once or dead-lettered with a reason.
 """
@@ -52,6 +53,9 @@ class PipelineOptions:
     """The roles' ``retention_s``: acknowledged entries kept this long."""
     dedup_window_s: float = 6 * 3600.0
     """The trainer's ``dedup_window_s``."""
+    trainer_ranks: int = 1
+    """Above 1: the trainer runs as this many torchrun ranks (``trainer --data-parallel``,
+    restarted together by torchrun when one dies); ``rank_victims`` kill single ranks."""
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -100,6 +104,7 @@ def data_parallel_trainer_main(args: argparse.Namespace) -> int:
 
     from consumers.trainer import DataParallelSteps, SyncTrainerClient, TrainerClientSettings
 
+    _die_with_parent()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -146,6 +151,20 @@ def data_parallel_trainer_main(args: argparse.Namespace) -> int:
             client.close()
         dist.destroy_process_group()
     return 0
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank when its torchrun launcher dies (Linux): a SIGKILLed launcher
+    cannot stop its ranks, and orphaned ranks would go on training beside the restarted
+    job, as two consumers of one name. A container runtime kills the whole tree; this
+    does the same on a bare machine."""
+    if sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the launcher died before the call
+            os._exit(1)
 
 
 def _count(counts: bytearray, group_id: str, times: int) -> None:
@@ -201,6 +220,35 @@ class Role:
 
 
 @dataclass
+class RankVictim:
+    """One rank of the torchrun trainer, as a kill victim: ``kill`` SIGKILLs the process
+    whose pid the rank wrote; ``start`` does nothing (torchrun restarts every rank)."""
+
+    name: str
+    pid_file: Path
+    kills: int = 0
+
+    def kill(self) -> None:
+        try:
+            pid = int(json.loads(self.pid_file.read_text())["pid"])
+            os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, json.JSONDecodeError, ProcessLookupError):
+            return  # between incarnations: nothing to kill
+        self.kills += 1
+
+    def start(self) -> None:
+        """Nothing: the launcher restarts every rank from the last checkpoint."""
+
+
+def rank_victims(directory: Path, options: PipelineOptions) -> list[RankVictim]:
+    """The trainer's ranks as kill victims (none for a single-process trainer)."""
+    if options.trainer_ranks < 2:
+        return []
+    return [RankVictim(f"trainer-rank-{r}", directory / f"rank-{r}.pid")
+            for r in range(options.trainer_ranks)]
+
+
+@dataclass
 class Outcome:
     admitted: int
     trained_once: int
@@ -248,8 +296,13 @@ def build_roles(redis_url: str, inference: str, directory: Path,
         named = ["--consumer", f"scorer-{i}"] if options.fixed_consumer_names else []
         roles.append(Role(f"scorer-{i}", [*rollq, "score", "--reward-config", str(reward),
                                           *named], env, directory / f"scorer-{i}.log"))
-    roles.append(Role("trainer", [sys.executable, "-m", "bench.pipeline", "trainer",
-                                  "--run", options.run,
+    trainer = [sys.executable, "-m", "bench.pipeline", "trainer"]
+    if options.trainer_ranks > 1:  # torchrun restarts every rank when one dies
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(options.trainer_ranks), "--max-restarts", "1000",
+                   "--monitor-interval", "0.5", "-m", "bench.pipeline", "trainer",
+                   "--data-parallel"]
+    roles.append(Role("trainer", [*trainer, "--run-name", options.run,
                                   "--redis-url", redis_url, "--checkpoint",
                                   str(directory / "trainer.json"),
                                   "--batch-groups", str(options.batch_groups),
