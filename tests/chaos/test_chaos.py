@@ -33,7 +33,7 @@ def test_chaos_with_trainer_ranks_loses_and_duplicates_nothing(
     """The trainer as 2 torchrun ranks (rank 0 the only consumer); single ranks are among
     the victims: torchrun restarts both from the last checkpoint."""
     pytest.importorskip("torch", reason="needs the train extra")
-    code = chaos.main(["--groups", "200", "--kill-every", "4", "8", "--trainer-ranks", "2",
+    code = chaos.main(["--groups", "600", "--kill-every", "3", "6", "--trainer-ranks", "2",
                        "--redis-restart-after-s", "10", "--step-s", "0.15",
                        "--timeout-s", "300", "--seed", "1"])
     out = capsys.readouterr().out
