@@ -64,6 +64,7 @@ from consumers.trainer import (
     WeightSyncError,
 )
 from schemas import BrokerUnavailable
+from schemas.heap import freeze_heap
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -242,6 +243,7 @@ def train(args: argparse.Namespace) -> int:
             if rank == 0:
                 print(f"resumed at step {step}; replaying {replayed} groups", flush=True)
         sync_weights(client, step, model, weights_dir, args)  # servers start from these
+        freeze_heap()  # set-up is done: keep the GC's full walks off torch and the model
         while step < args.steps:
             started = time.monotonic()
             shard = steps.next_step()
