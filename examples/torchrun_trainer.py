@@ -230,8 +230,11 @@ def train(args: argparse.Namespace) -> int:
     steps = DataParallelSteps(client, groups=args.batch_groups,
                               max_tokens=args.micro_batch_tokens,
                               transport=TorchObjectTransport(objects))
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if cuda and not args.fsdp
-                else contextlib.nullcontext())
+    def autocast() -> Any:  # bf16 on GPU under DDP (FSDP casts by its policy); fp32 on CPU
+        if cuda and not args.fsdp:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     try:
         step = 0
         if args.resume and checkpoint.exists():
@@ -253,7 +256,7 @@ def train(args: argparse.Namespace) -> int:
             last = len(shard.micro_batches) - 1
             for i, micro in enumerate(shard.micro_batches):
                 t = micro_tensors(micro, args.device, args.flip_advantages)
-                with no_sync(model, sync=i == last), autocast:
+                with no_sync(model, sync=i == last), autocast():
                     logprobs = packed_logprobs(model, t["input_ids"], t["position_ids"],
                                                t["labels"])
                     loss, stats = grpo_loss(logprobs, t["sampler_logprobs"], t["advantages"],

@@ -140,6 +140,9 @@ def _fits(micro: Sequence[int], lengths: Sequence[int], max_tokens: int | None) 
 def _needed(share: Sequence[int], lengths: Sequence[int], max_tokens: int | None) -> int:
     """The fewest micro-batches ``share`` fits into, balanced as ``_balance`` does."""
     count = 1
+    if max_tokens is not None:  # from a lower bound: a longer sequence is alone
+        small = [lengths[i] for i in share if lengths[i] <= max_tokens]
+        count = max(1, min(len(share), len(share) - len(small) + -(-sum(small) // max_tokens)))
     while count < len(share) and not all(
             _fits(micro, lengths, max_tokens) for micro in _balance(share, lengths, count)):
         count += 1
