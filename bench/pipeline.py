@@ -102,12 +102,16 @@ def data_parallel_trainer_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from consumers.trainer import DataParallelSteps, SyncTrainerClient, TrainerClientSettings
+    from consumers.trainer import (
+        DataParallelSteps,
+        SyncTrainerClient,
+        TrainerClientSettings,
+        init_ranks,
+    )
 
     _die_with_parent()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = init_ranks("gloo", os.environ)
     checkpoint = Path(args.checkpoint)
     _write_atomically(checkpoint.parent / f"rank-{rank}.pid",
                       {"pid": os.getpid(), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")})

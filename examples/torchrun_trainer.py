@@ -37,7 +37,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +61,7 @@ from consumers.trainer import (
     TorchObjectTransport,
     TrainerClientSettings,
     WeightSyncError,
+    init_ranks,
 )
 from schemas import BrokerUnavailable
 from schemas.heap import freeze_heap
@@ -206,9 +206,8 @@ def train(args: argparse.Namespace) -> int:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         args.device = f"cuda:{local}"
-    dist.init_process_group("nccl" if cuda else "gloo",
-                            timeout=timedelta(seconds=args.collective_timeout_s))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = init_ranks("nccl" if cuda else "gloo", os.environ,
+                                  timeout_s=args.collective_timeout_s)
     # objects (the shards) travel over gloo, on the CPU, whatever trains
     objects = dist.new_group(backend="gloo") if cuda else None
     torch.manual_seed(args.seed)

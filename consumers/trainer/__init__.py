@@ -32,6 +32,7 @@ from consumers.trainer.ranks import (
     RankTransport,
     ShardPlan,
     TorchObjectTransport,
+    init_ranks,
     plan_shards,
 )
 from consumers.trainer.settings import PauseMode, TrainerClientSettings
@@ -62,6 +63,7 @@ __all__ = [
     "TrainerClient",
     "TrainerClientSettings",
     "WeightSyncError",
+    "init_ranks",
     "is_stale",
     "pack_groups",
     "pad_groups",

@@ -4,6 +4,7 @@
 ``SyncTrainerClient``, plans how the step's sequences split over the ranks
 (``plan_shards``) and sends each rank its shard; ranks 1..N-1 never talk to Redis::
 
+    rank, world_size = init_ranks("nccl", os.environ)
     steps = DataParallelSteps(client if rank == 0 else None, groups=16, max_tokens=16_384)
     steps.load_state(saved["rollq"] if rank == 0 else None)   # resuming
     for step in range(start, total):
@@ -38,13 +39,14 @@ token of the step, as on one device.
 
 The transport between ranks is torch.distributed's object collectives
 (``TorchObjectTransport``; torch is imported only when it is used), or any
-``RankTransport`` (tests pass an in-process one).
+``RankTransport`` (tests pass an in-process one). Start the process group with
+``init_ranks``: plain ``init_process_group`` can fail after a torchrun restart.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -255,6 +257,37 @@ class TorchObjectTransport:
         self._dist.scatter_object_list(received, objects if self._rank == 0 else None,
                                        src=source, group=self._group)
         return received[0]
+
+
+def init_ranks(backend: str, environ: Mapping[str, str],
+               timeout_s: float | None = None) -> tuple[int, int]:
+    """``torch.distributed.init_process_group`` for a rank torchrun started, safe across
+    torchrun's restarts; returns ``(rank, world_size)``. Pass ``os.environ``.
+
+    torchrun (2.13) keeps one store for the whole job and the default process group writes
+    its rendezvous keys (gloo addresses, NCCL ids) under the same names in every attempt,
+    so a restarted rank can read a dead rank's address from the attempt before and fail
+    (measured: half of the restarts after a SIGKILLed rank). Here every attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gets keys of its own. Outside torchrun this is the
+    usual ``env://`` initialisation.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return dist.get_rank(), dist.get_world_size()
+    rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
+    hosted = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # by the launcher
+    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
+                          world_size=world_size, is_master=not hosted and rank == 0,
+                          timeout=timeout or timedelta(minutes=30))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"rollq/attempt-{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+    return rank, world_size
 
 
 class DataParallelSteps:

@@ -11,7 +11,7 @@ def test_trainer_sdk_public_surface_is_pinned() -> None:
         "PackedBatch", "PaddedArrays", "PauseMode", "PolicyPublisher", "RankShard",
         "RankTransport", "ResumeError", "ShardPlan", "SyncBatch", "SyncTrainerClient",
         "Targets", "TorchObjectTransport", "TrainerClient", "TrainerClientSettings",
-        "WeightSyncError", "is_stale", "pack_groups", "pad_groups", "plan_shards",
+        "WeightSyncError", "init_ranks", "is_stale", "pack_groups", "pad_groups", "plan_shards",
     ])
     for name in sdk.__all__:
         assert hasattr(sdk, name), name
