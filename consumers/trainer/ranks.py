@@ -275,6 +275,9 @@ def init_ranks(backend: str, environ: Mapping[str, str],
 
     import torch.distributed as dist
 
+    # both are re-exported from torch._C without being declared public to type checkers
+    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     attempt = environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
@@ -282,10 +285,10 @@ def init_ranks(backend: str, environ: Mapping[str, str],
         return dist.get_rank(), dist.get_world_size()
     rank, world_size = int(environ["RANK"]), int(environ["WORLD_SIZE"])
     hosted = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # by the launcher
-    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
-                          world_size=world_size, is_master=not hosted and rank == 0,
-                          timeout=timeout or timedelta(minutes=30))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"rollq/attempt-{attempt}", store),
+    store = TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
+                     world_size=world_size, is_master=not hosted and rank == 0,
+                     timeout=timeout or timedelta(minutes=30))
+    dist.init_process_group(backend, store=PrefixStore(f"rollq/attempt-{attempt}", store),
                             rank=rank, world_size=world_size, timeout=timeout)
     return rank, world_size
 
