@@ -7,11 +7,15 @@ What runs, each as its own process, on a real redis-server (AOF, ``appendfsync e
 this script starts, the pipeline of ``bench.pipeline``: a zero-latency fake vLLM server,
 ``rollq feed``, two ``rollq workers``, two ``rollq score`` and one SDK trainer that
 checkpoints what it trained with ``client.state()`` after every ``ack`` and resumes with
-``load_state``, as a real trainer does.
+``load_state``, as a real trainer does. ``--trainer-ranks 2`` runs that trainer as 2
+torchrun ranks (rank 0 the only consumer, ``consumers.trainer.DataParallelSteps``): a
+SIGKILL of one rank makes torchrun restart both from the last checkpoint, a SIGKILL of
+the launcher takes its ranks with it and the supervisor starts the group again.
 
-Every ``--kill-every`` seconds (uniform between the two bounds) a random worker, scorer or
-the trainer gets SIGKILL and is started again (a supervisor's job); once, Redis is restarted
-with a graceful SHUTDOWN. The roles must reconnect by themselves.
+Every ``--kill-every`` seconds (uniform between the two bounds) a random worker, scorer,
+the trainer or (with ``--trainer-ranks``) one trainer rank gets SIGKILL and is started
+again (a supervisor's job; torchrun's for a rank); once, Redis is restarted with a
+graceful SHUTDOWN. The roles must reconnect by themselves.
 
 At the end: every admitted group must be trained exactly once (in the trainer's last
 checkpoint) or dead-lettered / dropped with a reason. The script prints
@@ -34,7 +38,17 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from bench.pipeline import RUN, Outcome, PipelineOptions, build_roles, outcome, settled
+from bench.pipeline import (
+    RUN,
+    Outcome,
+    PipelineOptions,
+    RankVictim,
+    Role,
+    build_roles,
+    outcome,
+    rank_victims,
+    settled,
+)
 from bench.workers import FakeServerProcess
 from ops.stack import RedisProcess
 
@@ -45,15 +59,18 @@ async def run_chaos(args: argparse.Namespace, directory: Path) -> Outcome:
                                 appendfsync="everysec").start()
     fake = FakeServerProcess().start()
     options = PipelineOptions(groups=args.groups, batch_groups=args.batch_groups,
-                              step_s=args.step_s, job_timeout_s=args.job_timeout_s)
+                              step_s=args.step_s, job_timeout_s=args.job_timeout_s,
+                              trainer_ranks=args.trainer_ranks)
     roles = build_roles(redis_server.url, fake.url, directory, options)
+    ranks = rank_victims(directory, options)
     redis = aioredis.Redis.from_url(redis_server.url)
     checkpoint = directory / "trainer.json"
     started = time.monotonic()
     try:
         for role in roles:
             role.start()
-        victims = [r for r in roles if r.name != "feeder"]
+        victims: list[Role | RankVictim] = [r for r in roles if r.name != "feeder"]
+        victims += ranks
         next_kill = started + rng.uniform(*args.kill_every)
         restart_redis_at = started + args.redis_restart_after_s
         restarted = False
@@ -98,7 +115,7 @@ async def run_chaos(args: argparse.Namespace, directory: Path) -> Outcome:
                     role.start()
         await asyncio.sleep(1.0)  # the trainer's last checkpoint lands after its ack
         result = await outcome(redis, RUN, checkpoint, started)
-        result.kills = {r.name: r.kills for r in roles if r.kills}
+        result.kills = {r.name: r.kills for r in [*roles, *ranks] if r.kills}
         result.self_exits = self_exits
         return result
     finally:
@@ -123,6 +140,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--job-timeout-s", type=float, default=8.0,
                         help="rollout job timeout: a killed worker's jobs re-run after it [8]")
     parser.add_argument("--timeout-s", type=float, default=1800.0)
+    parser.add_argument("--trainer-ranks", type=int, default=1,
+                        help="run the trainer as N torchrun ranks; single ranks are kill "
+                             "victims too (torchrun restarts them all) [1]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", type=Path, help="keep logs and the trainer state here")
     return parser.parse_args(argv)

@@ -4,7 +4,8 @@ On a redis-server and a zero-latency fake vLLM server (``bench.workers``) it run
 ``rollq feed``, two ``rollq workers``, two ``rollq score`` and one trainer
 (``python -m bench.pipeline trainer``: the SDK's ``SyncTrainerClient``; its "model" is the
 list of group ids it trained, checkpointed after every ``ack`` together with
-``client.state()`` and restored with ``load_state`` on restart, as a real trainer does).
+``client.state()`` and restored with ``load_state`` on restart, as a real trainer does;
+with ``trainer_ranks`` above 1, N torchrun ranks of which rank 0 consumes).
 ``Role`` starts, kills and restarts one process; ``outcome`` checks that every admitted
 group was trained exactly once or dead-lettered with a reason.
 """
@@ -52,6 +53,9 @@ class PipelineOptions:
     """The roles' ``retention_s``: acknowledged entries kept this long."""
     dedup_window_s: float = 6 * 3600.0
     """The trainer's ``dedup_window_s``."""
+    trainer_ranks: int = 1
+    """Above 1: the trainer runs as this many torchrun ranks (``trainer --data-parallel``,
+    restarted together by torchrun when one dies); ``rank_victims`` kill single ranks."""
 
 
 # ------------------------------------------------------------------------------ the trainer
@@ -78,16 +82,100 @@ def trainer_main(args: argparse.Namespace) -> int:
             if not batch.groups:
                 continue
             for group_id in batch.group_ids:  # "the optimizer step"
-                position = int(group_id.rsplit(":", 1)[1])
-                if position >= len(counts):
-                    counts.extend(bytes(position + 1 - len(counts)))
-                counts[position] = min(255, counts[position] + 1)
+                _count(counts, group_id, 1)
             time.sleep(args.step_s)
             step += 1
             client.publish_policy(step, checkpoint.parent)  # no servers: bumps the version
             batch.ack()
             _write_atomically(checkpoint, {"counts": counts.hex(), "step": step,
                                            "client": client.state()})
+
+
+def data_parallel_trainer_main(args: argparse.Namespace) -> int:
+    """The same trainer as N torchrun ranks (gloo): rank 0 is the only consumer
+    (``consumers.trainer.DataParallelSteps``) and scatters each step's sequences; every
+    rank "trains" its share; the shares are gathered to rank 0 (the toy's gradient
+    all-reduce), which counts a group trained only when every one of its sequences was
+    trained exactly once that step (else it records 100: a duplicate to the checks), then
+    acks and checkpoints. Every rank writes its pid to ``rank-<r>.pid`` beside the
+    checkpoint (for the kill harness) and loads the checkpoint on start."""
+    import torch
+    import torch.distributed as dist
+
+    from consumers.trainer import (
+        DataParallelSteps,
+        SyncTrainerClient,
+        TrainerClientSettings,
+        init_ranks,
+    )
+
+    _die_with_parent()
+    torch.set_num_threads(1)
+    rank, world_size = init_ranks("gloo", os.environ)
+    checkpoint = Path(args.checkpoint)
+    _write_atomically(checkpoint.parent / f"rank-{rank}.pid",
+                      {"pid": os.getpid(), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT")})
+    settings = TrainerClientSettings(batch_groups=args.batch_groups, max_staleness=None,
+                                     reclaim_idle_ms=3000, reclaim_every_s=1.0,
+                                     block_ms=200, dedup_window_s=args.dedup_window_s)
+    client = (SyncTrainerClient(args.redis_url, run=args.run, consumer="trainer-0",
+                                settings=settings).open() if rank == 0 else None)
+    try:
+        steps = DataParallelSteps(client, groups=args.batch_groups,
+                                  max_tokens=args.micro_batch_tokens)
+        counts, step = bytearray(), 0
+        if checkpoint.exists():
+            saved = json.loads(checkpoint.read_text())
+            counts, step = bytearray.fromhex(saved["counts"]), saved["step"]
+            steps.load_state(saved["client"] if rank == 0 else None)
+        idle = 0
+        while args.exit_when_idle is None or idle < args.exit_when_idle:
+            shard = steps.next_step(timeout_s=1.0)
+            if shard.empty:  # on every rank at once: they all agree when to stop
+                idle += 1
+                continue
+            idle = 0
+            mine = [i for micro in shard.sequences for i in micro]  # forward + backward
+            time.sleep(args.step_s)
+            shares: list[Any] | None = [None] * world_size if rank == 0 else None
+            dist.gather_object(mine, shares, dst=0)  # the gradient all-reduce
+            if steps.batch is None:
+                continue  # ranks 1..N-1: rank 0 holds the model
+            trained = sorted(i for share in shares or [] for i in share)
+            exact = trained == list(range(steps.batch.num_sequences))
+            for group_id in shard.group_ids:  # "the optimizer step"
+                _count(counts, group_id, 1 if exact else 100)
+            step += 1
+            steps.client.publish_policy(step, checkpoint.parent)  # type: ignore[union-attr]
+            steps.ack()
+            _write_atomically(checkpoint, {"counts": counts.hex(), "step": step,
+                                           "client": steps.state()})
+    finally:
+        if client is not None:
+            client.close()
+        dist.destroy_process_group()
+    return 0
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this rank when its torchrun launcher dies (Linux): a SIGKILLed launcher
+    cannot stop its ranks, and orphaned ranks would go on training beside the restarted
+    job, as two consumers of one name. A container runtime kills the whole tree; this
+    does the same on a bare machine."""
+    if sys.platform == "linux":
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the launcher died before the call
+            os._exit(1)
+
+
+def _count(counts: bytearray, group_id: str, times: int) -> None:
+    position = int(group_id.rsplit(":", 1)[-1].lstrip("g"))
+    if position >= len(counts):
+        counts.extend(bytes(position + 1 - len(counts)))
+    counts[position] = min(255, counts[position] + times)
 
 
 def _write_atomically(path: Path, document: dict[str, Any]) -> None:
@@ -133,6 +221,35 @@ class Role:
     @property
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+
+@dataclass
+class RankVictim:
+    """One rank of the torchrun trainer, as a kill victim: ``kill`` SIGKILLs the process
+    whose pid the rank wrote; ``start`` does nothing (torchrun restarts every rank)."""
+
+    name: str
+    pid_file: Path
+    kills: int = 0
+
+    def kill(self) -> None:
+        try:
+            pid = int(json.loads(self.pid_file.read_text())["pid"])
+            os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, json.JSONDecodeError, ProcessLookupError):
+            return  # between incarnations: nothing to kill
+        self.kills += 1
+
+    def start(self) -> None:
+        """Nothing: the launcher restarts every rank from the last checkpoint."""
+
+
+def rank_victims(directory: Path, options: PipelineOptions) -> list[RankVictim]:
+    """The trainer's ranks as kill victims (none for a single-process trainer)."""
+    if options.trainer_ranks < 2:
+        return []
+    return [RankVictim(f"trainer-rank-{r}", directory / f"rank-{r}.pid")
+            for r in range(options.trainer_ranks)]
 
 
 @dataclass
@@ -183,8 +300,13 @@ def build_roles(redis_url: str, inference: str, directory: Path,
         named = ["--consumer", f"scorer-{i}"] if options.fixed_consumer_names else []
         roles.append(Role(f"scorer-{i}", [*rollq, "score", "--reward-config", str(reward),
                                           *named], env, directory / f"scorer-{i}.log"))
-    roles.append(Role("trainer", [sys.executable, "-m", "bench.pipeline", "trainer",
-                                  "--run", options.run,
+    trainer = [sys.executable, "-m", "bench.pipeline", "trainer"]
+    if options.trainer_ranks > 1:  # torchrun restarts every rank when one dies
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(options.trainer_ranks), "--max-restarts", "1000",
+                   "--monitor-interval", "0.5", "-m", "bench.pipeline", "trainer",
+                   "--data-parallel"]
+    roles.append(Role("trainer", [*trainer, "--run-name", options.run,
                                   "--redis-url", redis_url, "--checkpoint",
                                   str(directory / "trainer.json"),
                                   "--batch-groups", str(options.batch_groups),
@@ -240,12 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     trainer = sub.add_parser("trainer", help="the pipeline's trainer process")
     trainer.add_argument("--redis-url", required=True)
-    trainer.add_argument("--run", default=RUN)
+    trainer.add_argument("--run", "--run-name", default=RUN,
+                         help="the run (--run-name under torchrun, whose --run-path clashes)")
     trainer.add_argument("--checkpoint", required=True)
     trainer.add_argument("--batch-groups", type=int, default=8)
     trainer.add_argument("--step-s", type=float, default=0.4)
     trainer.add_argument("--dedup-window-s", type=float, default=6 * 3600.0)
-    return trainer_main(parser.parse_args(argv))
+    trainer.add_argument("--data-parallel", action="store_true",
+                         help="run as one of N torchrun ranks (rank 0 consumes)")
+    trainer.add_argument("--micro-batch-tokens", type=int,
+                         help="--data-parallel: token budget of a micro-batch")
+    trainer.add_argument("--exit-when-idle", type=int,
+                         help="exit 0 after this many empty 1-s reads in a row [never]")
+    args = parser.parse_args(argv)
+    return data_parallel_trainer_main(args) if args.data_parallel else trainer_main(args)
 
 
 if __name__ == "__main__":

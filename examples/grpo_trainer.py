@@ -95,14 +95,16 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, clip: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip objective with per-token advantages, averaged over trainable tokens."""
+              mask: torch.Tensor, clip: float,
+              per: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip objective with per-token advantages, averaged over trainable tokens
+    (``per``: divide the sum by this instead; examples/torchrun_trainer.py's ranks do)."""
     ratio = torch.exp(logprobs - sampler_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     tokens = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / tokens
+    loss = (per_token * mask).sum() / (tokens if per is None else per)
     with torch.no_grad():
         stats = {
             "ratio_mean": float((ratio * mask).sum() / tokens),
@@ -112,11 +114,12 @@ def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages
 
 
 def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor,
-               mask: torch.Tensor) -> torch.Tensor:
-    """KL(policy ‖ reference), k3 estimator per token, averaged over trainable tokens."""
+               mask: torch.Tensor, per: float | None = None) -> torch.Tensor:
+    """KL(policy ‖ reference), k3 estimator per token, averaged over trainable tokens
+    (``per`` as in ``grpo_loss``)."""
     log_ratio = reference_logprobs - logprobs
     per_token = torch.exp(log_ratio) - log_ratio - 1
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    return (per_token * mask).sum() / (mask.sum().clamp(min=1) if per is None else per)
 
 
 def component_means(groups: Any) -> dict[str, float]:

@@ -51,6 +51,7 @@ from schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_k
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
+TORCHRUN_TRAINER = EXAMPLES / "torchrun_trainer.py"
 Task = Literal["digits", "sums"]
 
 DEMO_REWARD = """\
@@ -87,6 +88,9 @@ class DemoOptions:
     task: Task = "digits"
     kl_coef: float = 0.0
     torch_threads: int | None = None
+    trainer_ranks: int = 1
+    """Above 1: ``examples/torchrun_trainer.py`` as this many torchrun ranks (DDP, gloo on
+    the CPU) instead of ``examples/grpo_trainer.py``."""
     eval_every: int = 25
     """``sums``: evaluate train and held-out accuracy every this many trainer steps."""
     warm_start_steps: int = 300
@@ -316,8 +320,13 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
 
 def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
                  metrics: Path) -> list[str]:
-    """The example trainer's command line for ``options``."""
-    argv = [sys.executable, str(EXAMPLE_TRAINER), "--model", str(model),
+    """The example trainer's command line for ``options`` (under torchrun with
+    ``trainer_ranks`` above 1)."""
+    trainer = [sys.executable, str(EXAMPLE_TRAINER)]
+    if options.trainer_ranks > 1:
+        trainer = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(options.trainer_ranks), str(TORCHRUN_TRAINER)]
+    argv = [*trainer, "--model", str(model),
             "--inference", inference, "--out", str(out), "--steps", str(options.steps),
             "--batch-groups", str(options.batch_groups), "--lr", str(options.lr),
             "--max-staleness", str(options.max_staleness), "--metrics", str(metrics),

@@ -10,8 +10,10 @@ Pull scored groups in batches, train, ack, checkpoint, publish weights::
         checkpoint(model, rollq=tc.state())
         await tc.publish_policy(step, weights_dir)   # pause, reload, reset cache, resume
 
-``SyncTrainerClient`` offers the same calls to a plain loop. Array alignment is in
-``consumers.trainer.layout``; the resume design in ``consumers.trainer.client``.
+``SyncTrainerClient`` offers the same calls to a plain loop; ``DataParallelSteps`` feeds
+the N ranks of a torchrun trainer from one consumer (``consumers.trainer.ranks``). Array
+alignment is in ``consumers.trainer.layout``; the resume design in
+``consumers.trainer.client``.
 """
 
 from consumers.trainer.batch import Batch, BatchData, EntryRef, SyncBatch
@@ -24,6 +26,15 @@ from consumers.trainer.layout import (
     pack_groups,
     pad_groups,
 )
+from consumers.trainer.ranks import (
+    DataParallelSteps,
+    RankShard,
+    RankTransport,
+    ShardPlan,
+    TorchObjectTransport,
+    init_ranks,
+    plan_shards,
+)
 from consumers.trainer.settings import PauseMode, TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.staleness import is_stale
@@ -35,19 +46,26 @@ __all__ = [
     "Batch",
     "BatchData",
     "BatchSize",
+    "DataParallelSteps",
     "EntryRef",
     "PackedBatch",
     "PaddedArrays",
     "PauseMode",
     "PolicyPublisher",
+    "RankShard",
+    "RankTransport",
     "ResumeError",
+    "ShardPlan",
     "SyncBatch",
     "SyncTrainerClient",
     "Targets",
+    "TorchObjectTransport",
     "TrainerClient",
     "TrainerClientSettings",
     "WeightSyncError",
+    "init_ranks",
     "is_stale",
     "pack_groups",
     "pad_groups",
+    "plan_shards",
 ]

@@ -126,6 +126,27 @@ class PackedBatch(_PerSequence):
         """The arrays as torch tensors (on ``device`` if given); needs torch installed."""
         return arrays_to_torch(array_fields(self), device)
 
+    def select(self, sequences: Sequence[int]) -> PackedBatch:
+        """The packed layout of some of these sequences, in the order given (copies).
+
+        ``group_index`` still points into the groups this batch was laid out from, so a
+        data-parallel rank can tell whose sequence it trains (``consumers.trainer.ranks``).
+        """
+        chosen = np.asarray(sequences, np.int64)
+        lengths = self.lengths[chosen]
+        cu_seqlens = np.zeros(len(chosen) + 1, np.int32)
+        np.cumsum(lengths, out=cu_seqlens[1:], dtype=np.int32)
+        # flat index of every chosen token: its sequence's old start + its position in it
+        moved = self.cu_seqlens[:-1].astype(np.int64)[chosen] - cu_seqlens[:-1]
+        tokens = np.arange(int(cu_seqlens[-1]), dtype=np.int64) + np.repeat(moved, lengths)
+        per_sequence = {name: value[chosen] for name, value in _fields(self).items()}
+        return PackedBatch(**per_sequence, input_ids=self.input_ids[tokens],
+                           position_ids=self.position_ids[tokens], cu_seqlens=cu_seqlens,
+                           max_seqlen=int(lengths.max()) if len(lengths) else 0,
+                           loss_mask=self.loss_mask[tokens], advantages=self.advantages[tokens],
+                           sampler_logprobs=self.sampler_logprobs[tokens],
+                           versions=self.versions[tokens])
+
 
 Group = ScoredGroup | ScoredColumns
 """What the layouts take: whole scored groups, or the decoded columns of their entries

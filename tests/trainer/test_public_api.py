@@ -7,10 +7,11 @@ import consumers.trainer as sdk
 
 def test_trainer_sdk_public_surface_is_pinned() -> None:
     assert sorted(sdk.__all__) == sorted([
-        "TRAINER_GROUP", "Batch", "BatchData", "BatchSize", "EntryRef", "PackedBatch",
-        "PaddedArrays", "PauseMode", "PolicyPublisher", "ResumeError", "SyncBatch",
-        "SyncTrainerClient", "Targets", "TrainerClient", "TrainerClientSettings",
-        "WeightSyncError", "is_stale", "pack_groups", "pad_groups",
+        "TRAINER_GROUP", "Batch", "BatchData", "BatchSize", "DataParallelSteps", "EntryRef",
+        "PackedBatch", "PaddedArrays", "PauseMode", "PolicyPublisher", "RankShard",
+        "RankTransport", "ResumeError", "ShardPlan", "SyncBatch", "SyncTrainerClient",
+        "Targets", "TorchObjectTransport", "TrainerClient", "TrainerClientSettings",
+        "WeightSyncError", "init_ranks", "is_stale", "pack_groups", "pad_groups", "plan_shards",
     ])
     for name in sdk.__all__:
         assert hasattr(sdk, name), name
