@@ -11,14 +11,21 @@ hits both alike:
 
 - reload: ``save_pretrained`` (safetensors) then ``publish_policy(step, dir)``: pause,
   ``reload_weights``, reset the prefix cache, version, resume. Its time includes the save,
-  which a reload cannot do without; its paused time is the server's part only.
+  which a reload cannot do without; its paused time is the server's part only. The server
+  reads the files the trainer just wrote from this machine's page cache (warm): the best
+  case for reload, which on separate hosts reads them from shared storage.
+- reload cold: the same, but the saved files are fsynced and dropped from the page cache
+  (``posix_fadvise(DONTNEED)``) before the server reads them, as a server on another host
+  than the trainer would meet them.
 - transfer: ``publish_policy(step, model)``: pause, start, chunks over TCP, finish, reset,
   version, resume. Paused time: from the last pause answered to the first resume sent.
 
 After the last sync of each method the server's logprobs for a fixed prompt must equal the
-trainer model's (a sync that moved nothing would be fast too). Prints one line per shape:
+trainer model's (a sync that moved nothing would be fast too). Prints, per shape, a line
+for reload (warm) and one for reload cold against the same transfer runs:
 
-    weight sync: params P, reload R s (paused Rp s), transfer T s (paused Tp s), ratio R/T
+    weight sync: params P, reload R s (paused Rp s), transfer T s (paused Tp s), ratio R/T,
+    paused ratio Tp/Rp
 
 with medians of the repeats; ``--json PATH`` writes every run.
 """
@@ -62,6 +69,17 @@ def largest_gap(url: str, model: Any) -> float:
     return max(abs(a - float(b)) for a, b in zip(served, own, strict=True))
 
 
+def drop_from_page_cache(directory: Path) -> None:
+    """fsync the files, then ask the kernel to drop their pages (clean pages go at once)."""
+    for path in directory.iterdir():
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
 def nudge(model: Any, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -76,7 +94,8 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
     params = sum(p.numel() for p in model.parameters())
     server = VllmProcess(vllm_python, model_dir, directory / f"vllm-{shape}.log",
                          weight_transfer="rollq_tcp", max_model_len=256).start(timeout_s=600)
-    runs: dict[str, list[tuple[float, float]]] = {"reload": [], "transfer": []}
+    runs: dict[str, list[tuple[float, float]]] = {"reload": [], "reload_cold": [],
+                                                   "transfer": []}
     redis = aioredis.Redis.from_url(redis_url)
     try:
         base = {"inference_urls": (server.url,), "transfer_backend": "rollq_tcp",
@@ -88,26 +107,29 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
         weights = directory / f"weights-{shape}"
         gaps = {}
         async with reload, transfer:
-            for step in range(repeats + 1):  # the first of each is a warm-up
-                nudge(model, step)
-                started = time.monotonic()
-                model.save_pretrained(weights, safe_serialization=True)
-                await reload.publish_policy(step, weights)
-                assert reload.last_sync is not None
-                if step:
-                    runs["reload"].append((time.monotonic() - started,
-                                           reload.last_sync.paused_seconds))
-                nudge(model, 1000 + step)
-                started = time.monotonic()
-                await transfer.publish_policy(step, model)
-                assert transfer.last_sync is not None
-                if step:
-                    runs["transfer"].append((time.monotonic() - started,
-                                             transfer.last_sync.paused_seconds))
+            version = 0
+            for repeat in range(repeats + 1):  # the first of each is a warm-up
+                for method in ("reload", "reload_cold", "transfer"):
+                    version += 1
+                    nudge(model, version)
+                    started = time.monotonic()
+                    if method == "transfer":
+                        await transfer.publish_policy(version, model)
+                        report = transfer.last_sync
+                    else:
+                        model.save_pretrained(weights, safe_serialization=True)
+                        if method == "reload_cold":
+                            drop_from_page_cache(weights)
+                        await reload.publish_policy(version, weights)
+                        report = reload.last_sync
+                    assert report is not None
+                    if repeat:
+                        runs[method].append((time.monotonic() - started,
+                                             report.paused_seconds))
             gaps["transfer"] = largest_gap(server.url, model)
             nudge(model, 9999)
             model.save_pretrained(weights, safe_serialization=True)
-            await reload.publish_policy(repeats + 1, weights)
+            await reload.publish_policy(version + 1, weights)
             gaps["reload"] = largest_gap(server.url, model)
     finally:
         await redis.aclose()
@@ -115,14 +137,19 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
     return {"shape": shape, "params": params, "runs": runs, "logprob_gap": gaps}
 
 
-def line(result: dict[str, Any]) -> str:
+def lines(result: dict[str, Any]) -> list[str]:
     def median(method: str, index: int) -> float:
         return statistics.median(run[index] for run in result["runs"][method])
 
-    reload, transfer = median("reload", 0), median("transfer", 0)
-    return (f"weight sync: params {result['params'] / 1e6:.1f}M, reload {reload:.3f} s "
-            f"(paused {median('reload', 1):.3f} s), transfer {transfer:.3f} s "
-            f"(paused {median('transfer', 1):.3f} s), ratio {reload / transfer:.2f}")
+    transfer, paused = median("transfer", 0), median("transfer", 1)
+    found = []
+    for method, label in (("reload", "reload"), ("reload_cold", "reload cold")):
+        reload = median(method, 0)
+        found.append(f"weight sync: params {result['params'] / 1e6:.1f}M, {label} {reload:.3f} s "
+                     f"(paused {median(method, 1):.3f} s), transfer {transfer:.3f} s "
+                     f"(paused {paused:.3f} s), ratio {reload / transfer:.2f}, paused ratio "
+                     f"{paused / median(method, 1):.2f}")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"weight sync: {shape}: the server does not serve the trainer's "
                           f"weights after a sync (logprob gap {gaps})", file=sys.stderr)
                     return 1
-                print(line(result), flush=True)
+                print("\n".join(lines(result)), flush=True)
         finally:
             redis_server.stop()
     if args.json:

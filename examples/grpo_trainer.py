@@ -141,16 +141,15 @@ def save_checkpoint(path: Path, model: Any, optimizer: Any, step: int,
     tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
 
 
-def publish(client: SyncTrainerClient, step: int, model: Any, weights_dir: Path,
-            args: argparse.Namespace) -> None:
-    """``publish_policy``, retried while vLLM is unreachable (it may be restarting)."""
-    deadline = time.monotonic() + args.sync_give_up_s
+def publish(client: SyncTrainerClient, step: int, weights: Any, give_up_s: float) -> None:
+    """``publish_policy`` (``weights``: the saved directory for reload, the model or its
+    ``(name, tensor)`` pairs for transfer), retried while vLLM is unreachable (it may be
+    restarting)."""
+    deadline = time.monotonic() + give_up_s
     pause = 1.0
-    if args.weight_sync == "reload":
-        model.save_pretrained(weights_dir, safe_serialization=True)
     while True:
         try:
-            client.publish_policy(step, weights_dir if args.weight_sync == "reload" else model)
+            client.publish_policy(step, weights)
             return
         except WeightSyncError as exc:
             if time.monotonic() + pause > deadline:
@@ -159,6 +158,25 @@ def publish(client: SyncTrainerClient, step: int, model: Any, weights_dir: Path,
                   file=sys.stderr, flush=True)
             time.sleep(pause)
             pause = min(30.0, pause * 2)
+
+
+def sync_record(client: SyncTrainerClient) -> dict[str, Any]:
+    """What the step's weight sync cost, for the metrics line."""
+    sync = client.client.last_sync
+    if sync is None:
+        return {}
+    return {"weight_sync": sync.method, "sync_seconds": sync.seconds,
+            "paused_seconds": sync.paused_seconds}
+
+
+def sync_weights(client: SyncTrainerClient, step: int, model: Any, weights_dir: Path,
+                 args: argparse.Namespace) -> None:
+    """Serve the model as policy version ``step``: saved and reloaded, or transferred."""
+    if args.weight_sync == "reload":
+        model.save_pretrained(weights_dir, safe_serialization=True)
+        publish(client, step, weights_dir, args.sync_give_up_s)
+    else:
+        publish(client, step, model, args.sync_give_up_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +226,7 @@ def train(args: argparse.Namespace) -> int:
             replayed = client.load_state(saved["client"])
             print(f"resumed at step {step}; replaying {replayed} groups", flush=True)
         # The servers start from the weights this trainer holds (fresh or resumed).
-        publish(client, step, model, weights_dir, args)
+        sync_weights(client, step, model, weights_dir, args)
         # Set-up is done: keep the cyclic collector's full walks off torch, the model and
         # everything else that lives as long as this process (schemas.heap: ~15 % of the
         # SDK's CPU a group at 16 x 2048).
@@ -241,7 +259,7 @@ def train(args: argparse.Namespace) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             step += 1
-            publish(client, step, model, weights_dir, args)
+            sync_weights(client, step, model, weights_dir, args)
             batch.ack()
             if step % args.checkpoint_every == 0 or step == args.steps:
                 save_checkpoint(checkpoint, model, optimizer, step, client.state())
@@ -251,7 +269,7 @@ def train(args: argparse.Namespace) -> int:
                 "staleness": step - 1 - min(g.policy_version for g in batch.groups),
                 "seconds": time.monotonic() - started, "time": time.time(),
                 "group_ids": batch.group_ids, "components": component_means(batch.groups),
-                **stats,
+                **stats, **sync_record(client),
             }
             if metrics is not None:
                 metrics.write(json.dumps(record) + "\n")

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from grpo_trainer import component_means, grpo_loss, kl_penalty, publish
+from grpo_trainer import component_means, grpo_loss, kl_penalty, publish, sync_record
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward")
     parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--weight-sync", choices=("reload", "transfer"), default="reload",
+                        help="reload: rank 0 saves to --out/weights and every server reloads "
+                             "it; transfer: send through vLLM's weight-transfer API [reload]")
+    parser.add_argument("--transfer-backend",
+                        help="the servers' --weight-transfer-config backend "
+                             "[rollq_tcp on --device cpu, else nccl]")
     parser.add_argument("--sync-give-up-s", type=float, default=300.0,
                         help="retry a failed weight sync this long (vLLM restarting) [300]")
     parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
@@ -134,16 +140,25 @@ def sync_weights(client: SyncTrainerClient | None, step: int, model: Any, weight
                  args: argparse.Namespace) -> None:
     """Serve the weights of ``step`` on every inference server. Every rank calls it.
 
-    Today: the full state dict is gathered to rank 0 (FSDP: from the shards), saved there in
-    the HF layout (safetensors) and published with ``publish_policy``, retried while vLLM
-    is unreachable. Other ways to move weights belong here, behind the same call.
+    ``--weight-sync transfer`` under DDP: rank 0 sends its own replica through vLLM's
+    weight-transfer API, chunk by chunk (no copy of the model). Otherwise the full state
+    dict is gathered to rank 0 (under FSDP from the shards: a collective), then saved in
+    the HF layout and reloaded (``reload``) or sent (``transfer``). Retried while vLLM is
+    unreachable.
     """
+    if args.weight_sync == "transfer" and not args.fsdp:
+        if client is not None:
+            publish(client, step, unwrap(model), args.sync_give_up_s)
+        return
     state = get_model_state_dict(model, options=FULL)  # a collective under FSDP
     if client is None:
         return
     dtype = torch.bfloat16 if args.device.startswith("cuda") else None
     if dtype is not None:
         state = {name: value.to(dtype) for name, value in state.items()}
+    if args.weight_sync == "transfer":
+        publish(client, step, list(state.items()), args.sync_give_up_s)
+        return
     unwrap(model).save_pretrained(weights_dir, state_dict=state, safe_serialization=True)
     publish(client, step, weights_dir, args.sync_give_up_s)
 
@@ -221,8 +236,10 @@ def train(args: argparse.Namespace) -> int:
     reference = build_model(args, world_size, trainable=False) if args.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
+    backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
-                                     max_staleness=args.max_staleness, inference_urls=urls)
+                                     max_staleness=args.max_staleness, inference_urls=urls,
+                                     weight_sync=args.weight_sync, transfer_backend=backend)
     client = (SyncTrainerClient(args.redis_url, run=args.run_name, consumer=args.consumer,
                                 settings=settings).open() if rank == 0 else None)
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None
@@ -283,7 +300,7 @@ def train(args: argparse.Namespace) -> int:
             totals = totals.to(args.device)
             dist.all_reduce(totals)  # the step's loss and statistics over every rank
             if metrics is not None and batch is not None:
-                write_metrics(metrics, step, totals.cpu(), started, batch, args, world_size)
+                write_metrics(metrics, step, totals.cpu(), started, batch, args, world_size, client)
     finally:
         if metrics is not None:
             metrics.close()
@@ -307,7 +324,8 @@ def clip_gradients(model: Any) -> None:
 
 
 def write_metrics(metrics: Any, step: int, totals: torch.Tensor, started: float,
-                  batch: SyncBatch, args: argparse.Namespace, world_size: int) -> None:
+                  batch: SyncBatch, args: argparse.Namespace, world_size: int,
+                  client: SyncTrainerClient) -> None:
     """One JSON line a step (rank 0), the fields of examples/grpo_trainer.py's."""
     loss, ratio, clipped, kl, tokens = totals.tolist()
     loss, kl = loss / world_size, kl / world_size  # each rank's sum was scaled by N
@@ -318,6 +336,7 @@ def write_metrics(metrics: Any, step: int, totals: torch.Tensor, started: float,
         "seconds": time.monotonic() - started, "time": time.time(),
         "group_ids": batch.group_ids, "components": component_means(batch.groups),
         "ratio_mean": ratio / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0),
+        **sync_record(client),
     }
     if args.kl_coef > 0:
         record["kl"] = kl

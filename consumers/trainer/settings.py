@@ -43,7 +43,7 @@ class TrainerClientSettings:
     (NCCL's rendezvous, rollq_tcp's stream): an address every server can reach."""
     transfer_port: int = 0
     """Port for that (0: a free one, chosen at each engine set-up)."""
-    transfer_chunk_bytes: int = 64 * 1024 * 1024
+    transfer_chunk_bytes: int = 256 * 1024 * 1024
     """Most weight bytes per ``/update_weights`` call (rollq_tcp): the trainer's CPU copies
     of GPU tensors are bounded by this, never a second full copy of the model."""
     transfer_workers_per_server: int = 1

@@ -148,7 +148,7 @@ class TcpTrainerInitInfo:
     """Address the trainer listens on; every vLLM worker must reach it."""
     port: int = 0
     """Port the trainer listens on (0: any free port)."""
-    chunk_bytes: int = 64 * 1024 * 1024
+    chunk_bytes: int = 256 * 1024 * 1024
     """Most bytes per ``/update_weights`` call (a larger tensor is a chunk of its own)."""
     timeout_s: float = 120.0
     """Worker-side connect/read timeout, and how long the trainer waits for connections."""

@@ -97,7 +97,7 @@ class PolicyPublisher:
         transfer_backend: str = BACKEND_TCP,
         transfer_host: str = "127.0.0.1",
         transfer_port: int = 0,
-        transfer_chunk_bytes: int = 64 * 1024 * 1024,
+        transfer_chunk_bytes: int = 256 * 1024 * 1024,
         workers_per_server: int = 1,
         sync_transport: httpx.BaseTransport | None = None,
     ) -> None:
