@@ -26,6 +26,12 @@ gives, and the client goes on):
   completed and counted ``consumed``;
 - stale at batch time (``is_stale``): acked and counted ``drop:stale``.
 
+Prefetch (``prefetch=True``, the default): once ``next_batch`` returns a batch, the next
+one (same sizes) is read, checked, decoded and laid out while the caller trains; its
+groups stay queued, pending and unacked until it is handed out, staleness is judged at
+hand-out, and what the preparation meets is what the next call would have met. The rules
+are in ``consumers.trainer.prefetch``.
+
 Resume design (checkpoint/resume neither skips nor repeats a group):
 
 - ``batch.ack()`` first records the batch in the run's seen-hash and in this consumer's
@@ -34,7 +40,8 @@ Resume design (checkpoint/resume neither skips nor repeats a group):
   ``ack_counted(..., "consumed")``.
 - ``state()`` (take it after the ``ack`` of the last step in the checkpoint) is the id of
   the last log entry plus the groups still to be replayed from an earlier resume. Batches
-  handed out but not acked are not in it: they are not trained, and stay pending.
+  handed out but not acked are not in it, nor a prefetched batch not yet handed out: they
+  are not trained, and stay pending (replays stay listed to be replayed).
 - ``load_state(state)`` re-delivers, before anything else, every group the state's log
   holds after that id: groups acked after the checkpoint whose training was lost with the
   crash. Their entries are fetched from the scored streams by id (and joined with their
@@ -49,6 +56,7 @@ Resume design (checkpoint/resume neither skips nor repeats a group):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import replace
@@ -65,8 +73,10 @@ from consumers.trainer.errors import ResumeError
 from consumers.trainer.holdings import Held, Holdings
 from consumers.trainer.layout import pad_groups
 from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
+from consumers.trainer.prefetch import PREFETCH_POLL_S, Prefetch, Prefetcher, PreparedBatch
 from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
+from consumers.trainer.staleness import is_stale
 from consumers.trainer.stats import TrainerStats
 from consumers.trainer.weights import PolicyPublisher
 from schemas import BrokerUnavailable, DecodeError
@@ -124,7 +134,10 @@ class TrainerClient:
                                   log=log)
         self.stats = TrainerStats()
         """What this client did (batches, steps, staleness): the trainer's metrics."""
-        self._batch_version = 0
+        self._prefetcher = Prefetcher(
+            lambda size, prefetch: self._next_batch(size, None, prefetch=prefetch),
+            run=self.run, name=f"rollq-prefetch-{self.consumer}")
+        self._lock = asyncio.Lock()  # one next_batch (or load_state) at a time
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions, created = await self._ledger.register(self.settings.partitions)
@@ -145,8 +158,12 @@ class TrainerClient:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, traceback: TracebackType | None) -> None:
-        """Close the HTTP client. Unacked entries stay pending for the next start."""
-        await self._publisher.__aexit__(exc_type, exc, traceback)
+        """Cancel the prefetch and close the HTTP client. Unacked entries (and the prefetched
+        batch's) stay pending for the next start."""
+        try:
+            await self._prefetcher.cancel()
+        finally:
+            await self._publisher.__aexit__(exc_type, exc, traceback)
 
     @property
     def reader(self) -> StreamReader:
@@ -178,47 +195,83 @@ class TrainerClient:
         for this consumer that the client does not (a read whose reply was lost) without
         counting another delivery of what it does hold, and goes on; past the give-up
         time it raises ``BrokerUnavailable``.
+
+        With ``prefetch`` on, the batch after this one is prepared while the caller trains,
+        and the next call with the same sizes returns it at once (module docstring).
         """
+        size = BatchSize.of(groups, sequences, max_tokens, self.settings.batch_groups)
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                batch = await self._next_batch(groups, sequences, max_tokens, remaining)
-            except BrokerUnavailable as exc:
-                await self._rider.failed(exc)
-                # then take back what Redis holds for this consumer and the client does not
-                # (a read whose reply was lost), without counting a delivery of the rest
-                self._recovering = self._started
-                continue
+        async with self._lock:
+            ready: PreparedBatch | None = None
+            while True:
+                try:
+                    if ready is None:
+                        ready, reread = await self._prefetcher.take(size, deadline)
+                        if reread:
+                            self._recovering = self._started
+                    batch, version = await self._hand_out(size, deadline, ready)
+                except BrokerUnavailable as exc:
+                    await self._rider.failed(exc)
+                    # then take back what Redis holds for this consumer and the client does
+                    # not (a read whose reply was lost), without counting a delivery of the rest
+                    self._recovering = self._started
+                    continue
+                break
             self._rider.recovered()
-            self.stats.handed_out(batch.entries, self._batch_version, time.monotonic() - started)
+            # the caller's wait: the lock, the prefetch, any outage, the assembly
+            self.stats.handed_out(batch.entries, version, time.monotonic() - started)
+            if self.settings.prefetch:
+                self._prefetcher.start(size)
             return batch
 
-    async def _next_batch(self, groups: int | None, sequences: int | None,
-                          max_tokens: int | None, timeout_s: float | None) -> Batch:
-        size = BatchSize.of(groups, sequences, max_tokens, self.settings.batch_groups)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    async def _hand_out(self, size: BatchSize, deadline: float | None,
+                        ready: PreparedBatch | None) -> tuple[Batch, int]:
+        """The batch to return and the version it was judged at: ``ready`` (prefetched)
+        unless a group of it is stale now, else one assembled by this call."""
+        if ready is not None:
+            version = await self.current_version()
+            stale = version != ready.version and any(
+                not h.replay and is_stale(h.group.policy_version, version,
+                                          self.settings.max_staleness) for h in ready.held)
+            if not stale and self._books.leads_with(ready.held):
+                self._books.take(len(ready.held))
+                return ready.batch, version
+            log.info("batch_prefetch_discarded", run=self.run,
+                     reason="stale" if stale else "queue_changed", policy_version=version)
+        prepared = await self._next_batch(size, deadline)
+        self._books.take(len(prepared.held))
+        return prepared.batch, prepared.version
+
+    async def _next_batch(self, size: BatchSize, deadline: float | None, *,
+                          prefetch: Prefetch | None = None) -> PreparedBatch:
+        """Assemble a batch from the first groups of the queue, reading until it is full or
+        ``deadline``; its groups stay queued. As ``prefetch``'s task, it leaves the outage
+        rider to the next call, polls until a call waits for it, and then reads until that
+        call's deadline."""
         if not self._started:
             await self._start()
         elif self._recovering:
             await self._admit(await self.reader.recover_own_pending(self._books.held,
                                                                     count=100_000))
             self._recovering = False
-        # Redis answers again: the outage ends now, not when the batch is full (which may
-        # be long after), or the next outage would count from this one's start.
-        self._rider.recovered()
-        version = self._batch_version = await self.current_version()
+        if prefetch is None:
+            # Redis answers again: the outage ends now, not when the batch is full (which
+            # may be long after), or the next outage would count from this one's start.
+            self._rider.recovered()
+        version = await self.current_version()
         while True:
             await self._drop_stale(version)
             count, full = size.fit([(h.group.num_sequences, h.group.sequence_tokens)
                                     for h in self._books.queue])
-            remaining = None if deadline is None else deadline - time.monotonic()
+            if prefetch is not None:
+                deadline = prefetch.deadline
+            remaining = _left(deadline)
             if full or (remaining is not None and remaining <= 0):
-                chosen = self._books.take(count)
+                chosen = self._books.peek(count)
                 batch = await self._build(chosen)
                 if batch is not None:
-                    return batch
+                    return PreparedBatch(batch, tuple(chosen), version)
                 continue  # a group could not be laid out (dead-lettered): fill its place
             # Read no more than the batch still needs (by group count; other limits cannot
             # tell how many groups will fit): decoding far more than one call returns is
@@ -226,11 +279,11 @@ class TrainerClient:
             wanted = self.settings.read_count
             if size.groups is not None:
                 wanted = min(wanted, size.groups - count)
-            await self._fill(remaining, wanted)
+            await self._fill(remaining, wanted, None if prefetch is None else prefetch.idle)
 
     async def _build(self, chosen: list[Held]) -> Batch | None:
-        """The batch of ``chosen``; None when some of them cannot be laid out: those are
-        dead-lettered and the others go back to the front of the queue."""
+        """The batch of ``chosen`` (the first queued groups); None when some of them cannot
+        be laid out: those are dead-lettered, the others stay queued."""
         try:
             return build_batch([h.group for h in chosen], [EntryRef(*h.ref) for h in chosen],
                                self, self.settings.pad_token_id)
@@ -240,9 +293,8 @@ class TrainerClient:
                 raise  # the batch as a whole failed (e.g. memory), not one group of it
             log.warning("batch_build_failed", run=self.run, groups=len(chosen),
                         failed=len(failed), detail=str(exc)[:200])
-        self._books.put_back(h for h in chosen if h not in failed)
+        self._books.remove(failed)  # a replay was acked before: no longer listed either
         for held, exc in failed.items():
-            self._books.release(held)  # a replay was acked before: no longer listed either
             await self._reject(held.delivery, exc, refetch=True)
         return None
 
@@ -320,7 +372,11 @@ class TrainerClient:
         training was lost). Returns how many groups will be replayed. Raises ResumeError
         when the state is for another run, malformed, or its groups can no longer be found.
         """
-        if self._started or self._books.held:
+        async with self._lock:
+            return await self._load_state(state)
+
+    async def _load_state(self, state: dict[str, Any]) -> int:
+        if self._started or self._books.held or self._prefetcher.current is not None:
             raise ResumeError("load_state must be called before the first next_batch")
         try:
             if state["format"] != STATE_FORMAT or state["run"] != self.run:
@@ -392,9 +448,13 @@ class TrainerClient:
         self._last_reclaim = time.monotonic()
         await self._admit(await self.reader.reclaim())
 
-    async def _fill(self, remaining_s: float | None, count: int) -> None:
+    async def _fill(self, remaining_s: float | None, count: int,
+                    idle: asyncio.Event | None = None) -> None:
         """One read: abandoned entries when due, else up to ``count`` new ones (blocking,
-        bounded)."""
+        bounded). ``idle``: a prefetch no call waits for yet, which must stay cancellable
+        at once (an abandoned blocking read could still deliver entries, to a client that
+        no longer expects them): it reads without blocking and pauses until ``idle`` is set
+        or ``PREFETCH_POLL_S`` at most."""
         s = self.settings
         if time.monotonic() - self._last_reclaim >= s.reclaim_every_s:
             self._last_reclaim = time.monotonic()
@@ -403,6 +463,8 @@ class TrainerClient:
                 await self._admit(reclaimed)
                 return
         block_ms = s.block_ms if remaining_s is None else min(s.block_ms, int(remaining_s * 1000))
+        if idle is not None:
+            block_ms = 0
         started = time.monotonic()
         deliveries = await self.reader.read(count=count, block_ms=block_ms)
         if deliveries:
@@ -415,7 +477,11 @@ class TrainerClient:
             pause = min(1.0, 0.005 * 2**self._empty_reads)
             if remaining_s is not None:
                 pause = min(pause, max(0.0, remaining_s - waited))
-            await asyncio.sleep(pause)
+            if idle is None:
+                await asyncio.sleep(pause)
+                return
+            with contextlib.suppress(TimeoutError):  # a call waits now: read as it would
+                await asyncio.wait_for(idle.wait(), min(pause, PREFETCH_POLL_S))
 
     async def _admit(self, deliveries: list[Delivery]) -> None:
         """Decode, dedup and queue deliveries."""
@@ -474,3 +540,8 @@ class TrainerClient:
         lettered = await self.reader.dead_letter(delivery, verdict.reason, verdict.detail)
         log.warning("entry_dead_lettered", stream=delivery.stream, entry_id=delivery.entry_id,
                     reason=verdict.reason, detail=verdict.detail, lettered=lettered)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (never below 0); None without one."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -5,7 +5,9 @@ until its batch is acked (or it is dropped or dead-lettered): first in the queue
 ready for a batch, then in an unacked batch. ``Holdings`` keeps the one set of books the
 client consults:
 
-- ``queue``: held groups ready for a batch, in order;
+- ``queue``: held groups ready for a batch, in order (a prefetched batch is laid out from
+  the first of them and they stay queued until it is handed out: discarding it puts
+  nothing back, so nothing can be lost or reordered);
 - ``held``: every held group by (stream, entry id), queued or in an unacked batch, so a
   re-delivery of an entry the client already has is recognised (and a recovery after an
   outage does not take it again);
@@ -20,8 +22,9 @@ Pure bookkeeping, no I/O.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from consumers.bus import Delivery
@@ -74,13 +77,25 @@ class Holdings:
         if held.replay:
             self.replays[held.ref] = held.group.group_id
 
+    def peek(self, count: int) -> list[Held]:
+        """The first ``count`` queued groups, left in the queue."""
+        return list(itertools.islice(self.queue, count))
+
+    def leads_with(self, held: Sequence[Held]) -> bool:
+        """Whether the queue starts with exactly ``held``, in that order."""
+        return len(self.queue) >= len(held) and all(
+            a is b for a, b in zip(self.queue, held, strict=False))
+
     def take(self, count: int) -> list[Held]:
         """The first ``count`` queued groups, out of the queue (still held)."""
         return [self.queue.popleft() for _ in range(count)]
 
-    def put_back(self, held: Iterable[Held]) -> None:
-        """Return taken groups to the front of the queue, in their order."""
-        self.queue.extendleft(reversed(list(held)))
+    def remove(self, held: Collection[Held]) -> None:
+        """Take ``held`` out of the queue and out of the books (dropped or dead-lettered)."""
+        if held:
+            self.queue = deque(h for h in self.queue if h not in held)
+            for item in held:
+                self.release(item)
 
     def release(self, held: Held) -> None:
         """Out of the books: its batch was acked, or it was dropped or dead-lettered."""
@@ -100,8 +115,5 @@ class Holdings:
         (replays never are: they were admitted once)."""
         stale = [h for h in self.queue if not h.replay and is_stale(
             h.group.policy_version, version, max_staleness)]
-        if stale:
-            self.queue = deque(h for h in self.queue if h not in stale)
-            for held in stale:
-                self.release(held)
+        self.remove(stale)
         return stale

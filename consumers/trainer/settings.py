@@ -59,6 +59,25 @@ class TrainerClientSettings:
     """How long a trained group's id is remembered to drop copies of it (seconds); every
     copy that can still arrive does within it (see ``consumers.trainer.ledger``), so the
     seen-set holds one window of groups, not the whole run. Also bounds the trained log."""
+    prefetch: bool = True
+    """Prepare the next batch while the caller trains: once ``next_batch`` returns, a
+    background task reads, checks, decodes and lays out the following batch of the same
+    size, and the next call with that size hands it out without waiting for any of it.
+
+    Costs: the memory of one more batch (its entries and padded arrays; never more than
+    one), and its entries are delivered one step earlier: they are pending for this
+    consumer while the current batch trains, so after a crash they come back with the
+    unacked batch, and each restart counts one delivery of them too (``max_deliveries``).
+
+    Guarantees: nothing is acked before its own ``ack``; staleness is judged when the batch
+    is handed out (a prepared batch with a group that became stale is not handed out: the
+    call drops that group as ``drop:stale`` and refills); a call with other sizes, or a
+    closing client, leaves the prepared groups untouched, first in line, or pending; a
+    poison entry or a Redis outage met while preparing ends as it would have in the next
+    call (the same dead letter; an outage that lasts is ridden out by that call, with the
+    same log lines), and any other error is raised by that call.
+
+    False: every call does all its work while the caller waits."""
     log_max_len: int = 1_000_000
     """Entries kept in each consumer's trained log, one per acked batch (approximate cap).
     Must exceed the batches acked between two checkpoints, or resuming from the older one

@@ -3,6 +3,9 @@
 It runs a private event loop in a daemon thread and forwards each call to a
 ``TrainerClient`` on that loop, so it works from scripts and from notebooks that already
 run a loop. Every method blocks until the async call finishes and re-raises its errors.
+Since the loop has a thread of its own, the prefetch of the next batch (``prefetch``)
+really runs while the caller's training step does, as long as the step releases the GIL
+(CUDA kernels, ``time.sleep``, most of torch).
 
     with SyncTrainerClient("redis://127.0.0.1:6379/0", run="gsm8k", consumer="rank0") as tc:
         tc.load_state(checkpoint["rollq"])          # when resuming
@@ -104,7 +107,13 @@ class SyncTrainerClient:
         return self._call(self.client.ack(batch))
 
     def state(self) -> dict[str, Any]:
-        """``TrainerClient.state``."""
+        """``TrainerClient.state``, taken on the client's loop (the prefetch of the next
+        batch may be changing the client's books there)."""
+        if self._loop is None:  # not open: nothing runs that could change them
+            return self.client.state()
+        return self._call(self._state())
+
+    async def _state(self) -> dict[str, Any]:
         return self.client.state()
 
     def load_state(self, state: dict[str, Any]) -> int:
