@@ -22,7 +22,9 @@ the shape long-CoT policies write):
     ``next_batch(groups=--batch-groups)`` call (read, join with the traj entries, decode,
     pad into numpy arrays); ``ack`` timed apart. Against, in the same run: raw XREADGROUP
     COUNT ``--batch-groups`` + XACK of the traj entries (the bytes a batch must carry,
-    nothing decoded).
+    nothing decoded). The client runs with ``prefetch=False``: with no step between calls,
+    a prefetch would hide only part of that work (``bench.trainer --only prefetch``
+    measures what it hides from a step).
 
 Run from the repository root:  python -m bench.big_groups  [--runs 3 ...]
 """
@@ -243,7 +245,8 @@ async def latency_round(url: str, groups: list[TrajectoryGroup], payloads: list[
     await publish_and_score(url, groups, bridge, config)
     redis = client(url)
     try:
-        settings = TrainerClientSettings(batch_groups=batch, block_ms=100, max_staleness=None)
+        settings = TrainerClientSettings(batch_groups=batch, block_ms=100, max_staleness=None,
+                                         prefetch=False)  # the work of one call, all of it
         async with TrainerClient(redis, run=RUN, consumer="bench", settings=settings) as tc:
             consumed = 0
             while consumed < len(groups):

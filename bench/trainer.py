@@ -11,7 +11,8 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     at most ``read_count``; decode, dedup check, padding the 8 groups into the numpy
     arrays). Calls that read and calls served from the client's queue alone are shown
     apart; a ``read_count=8`` row is the control. ``ack`` (ledger record + counted acks)
-    is timed apart. Target: p99 <= 25 ms.
+    is timed apart. Target: p99 <= 25 ms. The client runs with ``prefetch=False``: with
+    no training step between calls, a prefetch would hide only part of that work.
 
 (b) end-to-end bus, groups/s, all roles concurrently on one asyncio loop, each on its own
     client (as bench/bus.py): ``Publisher.publish`` one group at a time -> a ``Stage`` with
@@ -41,6 +42,17 @@ On a redis-server this benchmark starts itself (loopback, persistence off):
     What (b)'s ratio is made of: the CPU every role and Redis spend on a group together
     (what bounds a run on cores that all roles share), and the slowest role's rate alone
     (what bounds a run where each role has a core of its own and Redis is idle).
+
+(prefetch) what a training step waits for. Per shape (16 x 2048 with 256 prompt tokens,
+    then 8 x 64), a scored stream is filled with real parts (``Publisher`` -> scorer
+    ``Stage``, as (c)) with the groups of ``--warmup + --steps + 1`` batches, then a
+    ``SyncTrainerClient`` runs the loop a training script runs: ``next_batch(groups=8)``,
+    a step of ``--step-ms`` (``time.sleep``: it releases the GIL, as a GPU step does),
+    ``ack``. The first ``--warmup`` steps are not counted. Wait = the time the caller
+    blocks in ``next_batch`` (perf_counter around the blocking call: the client's own
+    ``stats.wait_seconds`` is shown beside it); step = wall time of one whole iteration.
+    With ``prefetch`` on and off, interleaved, ``--runs`` times each; a fresh stream per
+    run. Target: wait p99 <= 2 ms with prefetch (median of the runs).
 
 Run from the repository root:  python -m bench.trainer  [--runs 3 ...]
 """
@@ -78,7 +90,12 @@ from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
-from consumers.trainer import TrainerClient, TrainerClientSettings, pad_groups
+from consumers.trainer import (
+    SyncTrainerClient,
+    TrainerClient,
+    TrainerClientSettings,
+    pad_groups,
+)
 from ops.logging import configure_logging
 from producers.publisher import Publisher
 from schemas import Fields, TrajectoryGroup, decode_scored, encode
@@ -92,6 +109,8 @@ TARGET_P99_MS = 25.0
 TARGET_GROUPS_PER_S = 1500.0
 TARGET_RATIO = 0.4
 """8x64: a floor on groups/s and on the ratio to raw 1-hop."""
+TARGET_WAIT_P99_MS = 2.0
+"""(prefetch): the p99 of a training step's wait in ``next_batch`` with prefetch on."""
 TARGET_BIG_RATIO = 0.5
 """16x2048: the ratio to raw 1-hop (the structural limit is ~0.67: three transfers of the
 group's bytes against raw's two; goal 0.6)."""
@@ -131,7 +150,7 @@ async def latency_run(url: str, payloads: list[Fields], batch_groups: int, read_
     try:
         await client.flushall()
         settings = TrainerClientSettings(batch_groups=batch_groups, read_count=read_count,
-                                         block_ms=100, max_staleness=None)
+                                         block_ms=100, max_staleness=None, prefetch=False)
         async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
             for _ in range(rounds):
                 pipe = client.pipeline(transaction=False)
@@ -551,6 +570,113 @@ async def part_c(url: str, args: argparse.Namespace) -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------- (prefetch) the wait of a step
+
+
+PREFETCH_SHAPES = (Shape(16, 2048, 256, False, 0), Shape(8, 64, 32, True, 0))
+"""(prefetch) shapes; ``groups`` is set per run from the steps."""
+
+
+@dataclass
+class StepRun:
+    """One training loop of (prefetch), counted steps only."""
+
+    wait_ms: list[float]
+    """Per step: the caller's wait in ``next_batch``."""
+    step_ms: list[float]
+    """Per step: the whole iteration (``next_batch``, the step, ``ack``)."""
+    stats_wait_ms: float
+    """The client's ``stats.wait_seconds``, mean over the counted steps."""
+
+
+async def fill_scored(url: str, shape: Shape, count: int, bridge: RewardBridge,
+                      config: RewardConfig) -> None:
+    """An empty Redis, then ``count`` groups of ``shape`` published and scored by the real
+    roles: the run's scored stream holds ``count`` groups for the trainer."""
+    groups = make_groups(count, shape.group_size, shape.seq_len, shape.prompt_len,
+                         shape.short_text)
+    client = _client(url)
+    try:
+        await client.flushall()
+        publisher = Publisher(client, RUN)
+        await publisher.register()
+        reader = scorer_reader(client)
+        await reader.ensure_groups()
+        await publish_all(publisher, groups)
+        done = asyncio.Event()
+        stage = _StageUntil(count, done, reader, Scorer(bridge, config_fingerprint(config),
+                                                        client),
+                            concurrency=SCORER_CONCURRENCY)
+        await stage.run(done)
+    finally:
+        await client.aclose()
+
+
+def train_steps(url: str, prefetch: bool, batch_groups: int, warmup: int, steps: int,
+                step_s: float) -> StepRun:
+    """The training loop of a script through ``SyncTrainerClient`` (blocking: run it in a
+    thread of its own, as a training script is)."""
+    # max_staleness as deployed: the hand-out looks the run's version up (nothing here is
+    # stale: every group is of version 0, and no one publishes)
+    settings = TrainerClientSettings(batch_groups=batch_groups, block_ms=100,
+                                     prefetch=prefetch)
+    out = StepRun([], [], 0.0)
+    with SyncTrainerClient(url, run=RUN, consumer="bench", settings=settings) as tc:
+        waits = tc.client.stats.wait_seconds
+        counted_from = (0.0, 0)
+        for step in range(warmup + steps):
+            if step == warmup:
+                counted_from = (waits.sum, waits.count)
+            started = time.perf_counter()
+            batch = tc.next_batch(groups=batch_groups)
+            waited = time.perf_counter() - started
+            if len(batch) != batch_groups:
+                raise RuntimeError(f"step {step}: {len(batch)} of {batch_groups} groups")
+            time.sleep(step_s)  # the GPU step: the GIL is free meanwhile
+            batch.ack()
+            del batch
+            if step >= warmup:
+                out.wait_ms.append(waited * 1e3)
+                out.step_ms.append((time.perf_counter() - started) * 1e3)
+        out.stats_wait_ms = (waits.sum - counted_from[0]) / (waits.count - counted_from[1]) * 1e3
+    return out
+
+
+async def part_prefetch(url: str, args: argparse.Namespace) -> list[str]:
+    config = RewardConfig.from_mapping(REWARD)
+    count = (args.warmup + args.steps + 1) * args.batch_groups  # +1: the last prefetch
+    lines = []
+    async with RewardBridge(config) as bridge:
+        for shape in PREFETCH_SHAPES:
+            print(f"(prefetch) [{shape.label}] {count} scored groups per run; "
+                  f"next_batch(groups={args.batch_groups}), step {args.step_ms:.0f} ms, "
+                  f"{args.steps} steps after {args.warmup}", flush=True)
+            runs: dict[bool, list[StepRun]] = {True: [], False: []}
+            for run in range(args.runs):
+                for prefetch in (True, False):
+                    await fill_scored(url, shape, count, bridge, config)
+                    gc.collect()
+                    result = await asyncio.to_thread(
+                        train_steps, url, prefetch, args.batch_groups, args.warmup,
+                        args.steps, args.step_ms / 1e3)
+                    runs[prefetch].append(result)
+                    print(f"  run {run + 1}/{args.runs} prefetch {'on ' if prefetch else 'off'}"
+                          f" step p50 {pct(result.step_ms, 50):7.1f} ms, wait p50 "
+                          f"{pct(result.wait_ms, 50):6.2f} ms p99 {pct(result.wait_ms, 99):6.2f}"
+                          f" ms max {max(result.wait_ms):6.2f} ms (stats mean "
+                          f"{result.stats_wait_ms:6.2f} ms)", flush=True)
+            step = median_of(pct(r.step_ms, 50) for r in runs[True])
+            wait = {on: (median_of(pct(r.wait_ms, 50) for r in runs[on]),
+                         median_of(pct(r.wait_ms, 99) for r in runs[on])) for on in runs}
+            verdict = "OK" if wait[True][1] <= TARGET_WAIT_P99_MS else "ABOVE TARGET"
+            print(f"  wait p99 with prefetch {wait[True][1]:.2f} ms (target <= "
+                  f"{TARGET_WAIT_P99_MS:.0f} ms) {verdict}\n", flush=True)
+            lines.append(f"prefetch {shape.label}: step {step:.1f} ms, wait p50 "
+                         f"{wait[True][0]:.2f} ms p99 {wait[True][1]:.2f} ms (without "
+                         f"prefetch: {wait[False][0]:.2f} / {wait[False][1]:.2f})")
+    return lines
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -572,7 +698,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64, help="(b) small shape: tokens")
     parser.add_argument("--read-batch", type=int, default=16,
                         help="(b) raw XREADGROUP COUNT (default 16, as the scorer's)")
-    parser.add_argument("--only", choices=["a", "b", "c"], help="run one part only")
+    parser.add_argument("--step-ms", type=float, default=200.0,
+                        help="(prefetch) simulated training step, ms (default 200)")
+    parser.add_argument("--steps", type=int, default=15,
+                        help="(prefetch) counted steps per run (default 15)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="(prefetch) steps per run not counted (default 2)")
+    parser.add_argument("--only", choices=["a", "b", "c", "prefetch"],
+                        help="run one part only")
     parser.add_argument("--processes", action="store_true",
                         help="(b) also run each role in its own OS process (spawn), as "
                              "deployed: rollq publisher / scorer stage / trainer, and raw "
@@ -702,6 +835,8 @@ async def main_async(args: argparse.Namespace) -> int:
             lines += await part_b(server.url, args)
         if args.only in (None, "c"):
             lines += await part_c(server.url, args)
+        if args.only in (None, "prefetch"):
+            lines += await part_prefetch(server.url, args)
     for line in lines:
         print(line)
     return 0

@@ -206,6 +206,14 @@ class TrainerClient:
         With ``prefetch`` on, the batch after this one is prepared while the caller trains,
         and the next call with the same sizes returns it at once (module docstring).
         """
+        batch, size = await self._next_batch_sized(groups, sequences, max_tokens, timeout_s)
+        self._prefetch_after(size)
+        return batch
+
+    async def _next_batch_sized(self, groups: int | None, sequences: int | None,
+                                max_tokens: int | None,
+                                timeout_s: float | None) -> tuple[Batch, BatchSize]:
+        """``next_batch`` without starting the prefetch: the batch, and its sizes."""
         size = BatchSize.of(groups, sequences, max_tokens, self.settings.batch_groups)
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
@@ -228,9 +236,14 @@ class TrainerClient:
             self._rider.recovered()
             # the caller's wait: the lock, the prefetch, any outage, the assembly
             self.stats.handed_out(batch.entries, version, time.monotonic() - started)
-            if self.settings.prefetch:
-                self._prefetcher.start(size)
-            return batch
+            return batch, size
+
+    def _prefetch_after(self, size: BatchSize) -> None:
+        """Start preparing the batch after the one just handed out (``prefetch`` on), unless
+        a call is under way (it prefetches after itself) or a prefetch already is."""
+        if (self.settings.prefetch and self._prefetcher.current is None
+                and not self._lock.locked()):
+            self._prefetcher.start(size)
 
     async def _hand_out(self, size: BatchSize, deadline: float | None,
                         ready: PreparedBatch | None) -> tuple[Batch, int]:

@@ -97,9 +97,15 @@ class SyncTrainerClient:
     def next_batch(self, groups: int | None = None, *, sequences: int | None = None,
                    max_tokens: int | None = None, timeout_s: float | None = None) -> SyncBatch:
         """Blocking ``TrainerClient.next_batch``; the batch's ``ack()`` blocks too."""
-        batch = self._call(self.client.next_batch(groups, sequences=sequences,
-                                                  max_tokens=max_tokens, timeout_s=timeout_s))
-        return SyncBatch(**batch.data(), acker=self)
+        batch, size = self._call(self.client._next_batch_sized(groups, sequences, max_tokens,
+                                                               timeout_s))
+        handed = SyncBatch(**batch.data(), acker=self)
+        # Only now, the batch in the caller's hands, is the next one prepared: its CPU work
+        # (parsing, decoding, layout) holds the GIL, and started at once it would keep this
+        # thread from returning for up to a GIL switch interval (5 ms).
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.client._prefetch_after, size)
+        return handed
 
     def ack(self, batch: BatchData) -> int:
         """Blocking ``TrainerClient.ack``."""
@@ -108,6 +114,8 @@ class SyncTrainerClient:
     def state(self) -> dict[str, Any]:
         """``TrainerClient.state``, taken on the client's loop (the prefetch of the next
         batch may be changing the client's books there)."""
+        if self._loop is None:  # not open: nothing runs that could change them
+            return self.client.state()
         return self._call(self._state())
 
     async def _state(self) -> dict[str, Any]:
