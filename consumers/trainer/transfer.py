@@ -23,6 +23,7 @@ holds at most one chunk's CPU copies of GPU tensors, never a second copy of the 
 from __future__ import annotations
 
 import secrets
+import selectors
 import socket
 import struct
 import threading
@@ -208,7 +209,6 @@ class TcpTrainerEngine:
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:
             listener = socket.create_server((init_info.host, init_info.port), backlog=64)
-            listener.settimeout(0.05)
             engine._listener = listener
             if hasattr(client, "discard_update"):
                 client.discard_update = DISCARD
@@ -258,21 +258,26 @@ class TcpTrainerEngine:
         views = [_raw(t) for _, t in chunk if t.numel()]
         header = _COUNT.pack(sum(len(v) for v in views))
         done: Future[None] = Future()
+        waker, wake = socket.socketpair()  # the call's end wakes the accept loop at once
+        done.add_done_callback(lambda _: wake.send(b"."))
         caller = threading.Thread(target=_complete, args=(done, self.client.update_weights,
                                                           update), daemon=True)
-        caller.start()
         senders: list[threading.Thread] = []
         errors: list[str] = []
-        while not done.done():
-            assert self._listener is not None
-            try:
-                connection, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            sender = threading.Thread(target=self._serve, daemon=True,
-                                      args=(connection, ticket, header, views, errors))
-            sender.start()
-            senders.append(sender)
+        assert self._listener is not None
+        with selectors.DefaultSelector() as selector, waker, wake:
+            selector.register(self._listener, selectors.EVENT_READ)
+            selector.register(waker, selectors.EVENT_READ)
+            caller.start()
+            while not done.done():
+                for key, _ in selector.select(timeout=1.0):
+                    if key.fileobj is not self._listener:
+                        continue
+                    connection, _ = self._listener.accept()
+                    sender = threading.Thread(target=self._serve, daemon=True,
+                                              args=(connection, ticket, header, views, errors))
+                    sender.start()
+                    senders.append(sender)
         for sender in senders:
             sender.join()
         done.result()  # ServersFailed names the servers whose workers failed
