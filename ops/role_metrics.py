@@ -149,6 +149,18 @@ def trainer_metrics(client: TrainerClient) -> Register:
         metrics.add_histogram("rollq_trainer_staleness_versions", "Policy versions between "
                               "each trained group and the trainer's version at next_batch",
                               lambda: stats.staleness)
+        for method in stats.sync_seconds:
+            metrics.add_histogram("rollq_trainer_weight_sync_seconds", "Each successful weight "
+                                  "sync (publish_policy), by method",
+                                  lambda method=method: stats.sync_seconds[method],
+                                  method=method)
+            metrics.add_histogram("rollq_trainer_weight_sync_paused_seconds", "How long each "
+                                  "weight sync paused generation, by method",
+                                  lambda method=method: stats.paused_seconds[method],
+                                  method=method)
+            metrics.add_counter("rollq_trainer_weight_sync_bytes", "Weight bytes the trainer "
+                                "sent to the servers, by method",
+                                lambda method=method: stats.sync_bytes[method], method=method)
 
     return register
 

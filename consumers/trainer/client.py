@@ -479,6 +479,11 @@ class TrainerClient:
                                 time.monotonic() - started, 0)
             await raise_version()
         else:
+            if method == "transfer" and (weights is None
+                                         or isinstance(weights, (str, os.PathLike))):
+                raise TypeError("weight_sync='transfer' sends the model (or its (name, tensor) "
+                                f"pairs), got {weights!r}; set weight_sync='reload' to publish "
+                                "a directory")
             report = await self._publisher.sync(method, step, weights, raise_version)
         self.stats.synced(report)
         self.last_sync = report

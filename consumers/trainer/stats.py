@@ -17,6 +17,8 @@ from schemas.stats import VERSION_BOUNDS, Histogram
 if TYPE_CHECKING:
     from consumers.trainer.weights import SyncReport
 
+SYNC_METHODS = ("reload", "transfer", "external")
+
 
 class TrainerStats:
     """Counts and distributions of one client's batches."""
@@ -37,11 +39,11 @@ class TrainerStats:
         """From a batch handed out to its ``ack``: the training step."""
         self.staleness = Histogram(VERSION_BOUNDS)
         """Per acked group: the policy version at ``next_batch`` minus the group's."""
-        self.sync_seconds: dict[str, Histogram] = {}
-        """Per weight-sync method: each sync's duration, first pause to last resume."""
-        self.paused_seconds: dict[str, Histogram] = {}
-        """Per method: how long generation was paused by each sync."""
-        self.sync_bytes: dict[str, int] = {}
+        self.sync_seconds = {method: Histogram() for method in SYNC_METHODS}
+        """Per weight-sync method: each successful sync's duration (``publish_policy``)."""
+        self.paused_seconds = {method: Histogram() for method in SYNC_METHODS}
+        """Per method: how long generation was paused by each successful sync."""
+        self.sync_bytes = dict.fromkeys(SYNC_METHODS, 0)
         """Per method: weight bytes the trainer sent (transfer)."""
         # a batch's entries (the sync facade acks a copy of the batch) -> (handed, version)
         self._handed: dict[Hashable, tuple[float, int]] = {}
@@ -70,6 +72,6 @@ class TrainerStats:
     def synced(self, report: SyncReport) -> None:
         """A weight sync succeeded."""
         method = report.method
-        self.sync_seconds.setdefault(method, Histogram()).observe(report.seconds)
-        self.paused_seconds.setdefault(method, Histogram()).observe(report.paused_seconds)
-        self.sync_bytes[method] = self.sync_bytes.get(method, 0) + report.bytes_moved
+        self.sync_seconds[method].observe(report.seconds)
+        self.paused_seconds[method].observe(report.paused_seconds)
+        self.sync_bytes[method] += report.bytes_moved

@@ -265,3 +265,15 @@ def test_a_trainer_killed_mid_update_leaves_the_server_serving_its_last_weights(
     asyncio.run(restarted_trainer())
     assert not is_paused(url) and weight_version(url) == "2"
     assert largest_gap(url, model) < TOLERANCE
+
+
+def test_the_plugin_registers_both_engines_through_vllms_entry_point(
+    vllm_server: VllmProcess,
+) -> None:
+    probe = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+             "from vllm.distributed.weight_transfer.factory import "
+             "WeightTransferEngineFactory as W, WeightTransferTrainerFactory as T; "
+             "print(W._registry['rollq_tcp']().__name__, 'rollq_tcp' in T._registry)")
+    found = subprocess.run([vllm_server.python, "-c", probe], capture_output=True, text=True,
+                           timeout=300, check=True)
+    assert found.stdout.split()[-2:] == ["TcpWeightTransferEngine", "True"]

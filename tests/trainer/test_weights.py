@@ -101,3 +101,89 @@ async def test_policy_version_never_goes_down(redis: aioredis.Redis) -> None:
     with pytest.raises(ValueError):
         async with trainer(redis, fake) as tc:
             await tc.publish_policy(-1, "/w")
+
+
+# -- external and transfer: the servers as one unit ------------------------------------------
+
+EXTERNAL = ["/pause?mode=keep", "/reset_prefix_cache", "/update_weight_version", "/resume"]
+
+
+async def test_external_pauses_every_server_around_the_move_and_bumps_before_resuming(
+    redis: aioredis.Redis,
+) -> None:
+    fake = FakeVllm()
+    seen: list[tuple[dict[str, list[str]], int]] = []
+    order: list[str] = []
+
+    async def move() -> None:  # the trainer's own broadcast, while every server is paused
+        seen.append(({host: list(calls) for host, calls in fake.calls.items()},
+                     await version(redis)))
+
+    original = fake.handle
+
+    def handle(request):  # type: ignore[no-untyped-def]
+        order.append(request.url.path)
+        return original(request)
+
+    fake.handle = handle  # type: ignore[method-assign]
+    async with trainer(redis, fake, "http://a:1", "http://b:1", weight_sync="external") as tc:
+        raise_version = tc._ledger.raise_policy_version
+
+        async def recorded(step: int) -> int:
+            order.append("bump")
+            return await raise_version(step)
+
+        tc._ledger.raise_policy_version = recorded  # type: ignore[method-assign]
+        assert await tc.publish_policy(4, move) == 4
+        assert tc.last_sync is not None and tc.last_sync.method == "external"
+        assert tc.stats.sync_seconds["external"].count == 1
+    assert seen == [({"a": ["/pause?mode=keep"], "b": ["/pause?mode=keep"]}, -1)]
+    assert fake.calls == {"a": EXTERNAL, "b": EXTERNAL}
+    assert order[-3:] == ["bump", "/resume", "/resume"]  # no server resumes before the bump
+    assert await version(redis) == 4
+
+
+async def test_a_failed_move_resumes_every_server_and_keeps_the_version(
+    redis: aioredis.Redis,
+) -> None:
+    fake = FakeVllm()
+
+    def move() -> None:
+        raise RuntimeError("broadcast timed out")
+
+    async with trainer(redis, fake, "http://a:1", weight_sync="external") as tc:
+        await tc.publish_policy(1, None)  # weights already in place: nothing to move
+        with pytest.raises(WeightSyncError) as raised:
+            await tc.publish_policy(2, move)
+    assert raised.value.failures == {"trainer": "RuntimeError: broadcast timed out"}
+    assert fake.calls["a"] == [*EXTERNAL, "/pause?mode=keep", "/resume"]
+    assert await version(redis) == 1
+
+
+async def test_a_server_that_cannot_pause_stops_the_sync_before_anything_moves(
+    redis: aioredis.Redis,
+) -> None:
+    fake = FakeVllm(fail={("b", "/pause"): 0})
+    moved: list[int] = []
+    async with trainer(redis, fake, "http://a:1", "http://b:1", weight_sync="external") as tc:
+        with pytest.raises(WeightSyncError) as raised:
+            await tc.publish_policy(1, lambda: moved.append(1))
+    assert list(raised.value.failures) == ["http://b:1"]
+    assert moved == []  # nothing moved while a server still served
+    assert fake.calls["a"] == ["/pause?mode=keep", "/resume"]  # the paused one resumed
+    assert fake.calls["b"] == ["/pause?mode=keep"]  # unreachable: nothing to resume
+    assert await version(redis) == -1
+
+
+async def test_the_weights_argument_must_match_the_method(redis: aioredis.Redis) -> None:
+    fake = FakeVllm()
+    async with trainer(redis, fake, "http://a:1") as tc:
+        with pytest.raises(TypeError, match="weight_sync='transfer'"):
+            await tc.publish_policy(1, object())  # a model given to reload
+    async with trainer(redis, fake, "http://a:1", weight_sync="transfer") as tc:
+        for wrong in (None, "/ckpt/step-1"):
+            with pytest.raises(TypeError, match="weight_sync='reload'"):
+                await tc.publish_policy(1, wrong)
+    assert fake.calls["a"] == []  # refused before any server was paused
+    with pytest.raises(ValueError, match="weight_sync"):
+        TrainerClientSettings(weight_sync="rsync")  # type: ignore[arg-type]
