@@ -27,7 +27,6 @@ import selectors
 import socket
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -94,7 +93,11 @@ class ServerFanout:
         except httpx.HTTPError as exc:
             return f"{type(exc).__name__} {exc}".strip()
         if not response.is_success:
-            return f"HTTP {response.status_code}: {response.text[:300]}"
+            hint = (" (start the server with --weight-transfer-config "
+                    "'{\"backend\": ...}' and VLLM_SERVER_DEV_MODE=1)"
+                    if response.status_code == 404 or "weight_transfer_config" in response.text
+                    else "")
+            return f"HTTP {response.status_code}: {response.text[:300]}{hint}"
         return None
 
     # -- VLLMWeightSyncClient ----------------------------------------------------------------
@@ -346,9 +349,3 @@ def vllm_trainer_engine(backend: str, *, client: ServerFanout, source: Any, host
     else:
         raise RuntimeError(f"unknown transfer backend {backend!r}: rollq_tcp, nccl or ipc")
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-
-
-def timed(call: Callable[[], None]) -> float:
-    started = time.monotonic()
-    call()
-    return time.monotonic() - started
