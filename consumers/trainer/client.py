@@ -484,6 +484,9 @@ class TrainerClient:
                 raise TypeError("weight_sync='transfer' sends the model (or its (name, tensor) "
                                 f"pairs), got {weights!r}; set weight_sync='reload' to publish "
                                 "a directory")
+            if method == "external" and weights is not None and not callable(weights):
+                raise TypeError("weight_sync='external' takes the callable that moves the "
+                                f"weights (or None), got {type(weights).__name__}")
             report = await self._publisher.sync(method, step, weights, raise_version)
         self.stats.synced(report)
         self.last_sync = report

@@ -184,11 +184,17 @@ class PolicyPublisher:
         if not failures:
             failures.update(await self._each("update_weight_version", "/update_weight_version",
                                              json={"new_version": str(step)}))
+        bump_failed: Exception | None = None
         if not failures:
             self._synced = str(step)
-            await on_updated()
+            try:
+                await on_updated()
+            except Exception as exc:  # Redis gone past give-up: resume all the same
+                bump_failed = exc
         resumed_at = time.monotonic()
         failures.update(await self._each("resume", "/resume", urls=reached))
+        if bump_failed is not None:
+            raise bump_failed
         if failures:
             self._synced = None
             raise WeightSyncError(step, failures)

@@ -6,6 +6,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
+from schemas import BrokerUnavailable
 from schemas.keys import POLICY_VERSION_FIELD, state_key
 from tests.trainer.helpers import RUN, FakeVllm
 
@@ -184,6 +185,24 @@ async def test_the_weights_argument_must_match_the_method(redis: aioredis.Redis)
         for wrong in (None, "/ckpt/step-1"):
             with pytest.raises(TypeError, match="weight_sync='reload'"):
                 await tc.publish_policy(1, wrong)
+    async with trainer(redis, fake, "http://a:1", weight_sync="external") as tc:
+        with pytest.raises(TypeError, match="callable"):
+            await tc.publish_policy(1, "/ckpt/step-1")
     assert fake.calls["a"] == []  # refused before any server was paused
     with pytest.raises(ValueError, match="weight_sync"):
         TrainerClientSettings(weight_sync="rsync")  # type: ignore[arg-type]
+
+
+async def test_a_version_bump_that_fails_still_resumes_every_server(
+    redis: aioredis.Redis,
+) -> None:
+    fake = FakeVllm()
+    async with trainer(redis, fake, "http://a:1", weight_sync="external",
+                       redis_give_up_s=0) as tc:
+        async def down(step: int) -> int:
+            raise BrokerUnavailable("redis is down")
+
+        tc._ledger.raise_policy_version = down  # type: ignore[method-assign]
+        with pytest.raises(BrokerUnavailable):
+            await tc.publish_policy(1, None)
+    assert fake.calls["a"] == EXTERNAL  # resumed although the bump failed
