@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -468,26 +467,7 @@ class TrainerClient:
             raised.append(await self._rider.call(
                 lambda: self._ledger.raise_policy_version(step)))
 
-        if method == "reload":
-            if not isinstance(weights, (str, os.PathLike)):
-                raise TypeError("weight_sync='reload' publishes a weights directory, got "
-                                f"{type(weights).__name__}; set weight_sync='transfer' to "
-                                "send a model")
-            started = time.monotonic()
-            await self._publisher.publish(step, os.fspath(weights))
-            report = SyncReport("reload", time.monotonic() - started,
-                                time.monotonic() - started, 0)
-            await raise_version()
-        else:
-            if method == "transfer" and (weights is None
-                                         or isinstance(weights, (str, os.PathLike))):
-                raise TypeError("weight_sync='transfer' sends the model (or its (name, tensor) "
-                                f"pairs), got {weights!r}; set weight_sync='reload' to publish "
-                                "a directory")
-            if method == "external" and weights is not None and not callable(weights):
-                raise TypeError("weight_sync='external' takes the callable that moves the "
-                                f"weights (or None), got {type(weights).__name__}")
-            report = await self._publisher.sync(method, step, weights, raise_version)
+        report = await self._publisher.publish_weights(method, step, weights, raise_version)
         self.stats.synced(report)
         self.last_sync = report
         self._version = step

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -141,6 +142,31 @@ class PolicyPublisher:
         failures = {url: why for url, why in zip(self.urls, results, strict=True) if why}
         if failures:
             raise WeightSyncError(step, failures)
+
+    async def publish_weights(self, method: WeightSyncMethod, step: int, weights: Any,
+                              on_updated: Callable[[], Awaitable[object]]) -> SyncReport:
+        """Serve ``weights`` as version ``step`` by ``method`` (``TrainerClient.publish_policy``
+        says what ``weights`` is for each); ``on_updated`` raises the run's version once every
+        server holds the new weights. TypeError for weights of the wrong kind, before
+        anything pauses; WeightSyncError when a server (or the trainer's side) fails."""
+        if method == "reload":
+            if not isinstance(weights, (str, os.PathLike)):
+                raise TypeError("weight_sync='reload' publishes a weights directory, got "
+                                f"{type(weights).__name__}; set weight_sync='transfer' to "
+                                "send a model")
+            started = time.monotonic()
+            await self.publish(step, os.fspath(weights))
+            seconds = time.monotonic() - started
+            await on_updated()
+            return SyncReport("reload", seconds, seconds, 0)
+        if method == "transfer" and (weights is None or isinstance(weights, (str, os.PathLike))):
+            raise TypeError("weight_sync='transfer' sends the model (or its (name, tensor) "
+                            f"pairs), got {weights!r}; set weight_sync='reload' to publish "
+                            "a directory")
+        if method == "external" and weights is not None and not callable(weights):
+            raise TypeError("weight_sync='external' takes the callable that moves the "
+                            f"weights (or None), got {type(weights).__name__}")
+        return await self.sync(method, step, weights, on_updated)
 
     async def sync(self, method: WeightSyncMethod, step: int, weights: Any,
                    on_updated: Callable[[], Awaitable[object]]) -> SyncReport:
