@@ -129,8 +129,13 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                     # Both streams of the run: nothing unacked is ever trimmed, so the
                     # scorers can keep the trainer's stream in bounds too.
                     trimmed_at = time.monotonic()
-                    await trim_streams(redis, [*reader.streams, *stream_keys(
-                        settings.run, partitions, "scored")], int(settings.retention_s * 1000))
+                    try:
+                        await trim_streams(redis, [*reader.streams, *stream_keys(
+                            settings.run, partitions, "scored")],
+                            int(settings.retention_s * 1000))
+                    except redis_errors.ResponseError as exc:  # housekeeping, not the work:
+                        # a trim Redis refuses is retried next cycle, never a scorer exit
+                        log.warning("streams_trim_failed", run=settings.run, detail=str(exc))
                     await housekeeping(redis, settings, partitions, reader.consumer)
 
             async with LoopLagMonitor("scorer") as lag, serve_metrics(

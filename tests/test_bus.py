@@ -391,3 +391,38 @@ async def test_absurd_or_unreadable_traj_references_are_dead_lettered_not_raised
     (wrong_type,) = [letter for letter in letters if letter.source_stream == other_scored]
     assert "failed" in wrong_type.detail and "WRONGTYPE" in wrong_type.detail.upper()
     assert (await redis.xpending(SCORED, "trainer"))["pending"] == 1  # only the good one
+
+
+@pytest.mark.parametrize(("named", "removed"), [
+    ("1-18446744073709551615", 0),   # sequence above 2^53, which a Lua number garbles; it
+    ("00001-0002", 0),               # names an entry older than all: every one is kept
+    ("18446744073709551615-18446744073709551615", 4),  # the largest id: newer than all
+    ("18446744073709551616-0", 4),   # past uint64: not an entry id, named nothing
+    ("1-2-3", 4), ("-", 4), ("", 4), ("1.5e+19-0", 4), ("x-1", 4),
+])
+async def test_trim_handles_any_id_a_scored_entry_names(real_redis: aioredis.Redis,
+                                                        named: str, removed: int) -> None:
+    """A scored entry whose traj reference is huge or malformed does not break trimming
+    (once, `1-18446744073709551615` made every trim fail, and every scorer exit)."""
+    publisher = Publisher(real_redis, RUN)
+    for i in range(4):
+        await publisher.publish(make_group(group_id=f"g{i}", tokens=2))
+    scorers = reader(real_redis, count=4)
+    await scorers.ensure_groups()
+    await scorers.ack(await scorers.read())
+    trainer = StreamReader(real_redis, [SCORED], "trainer", "t1", ReaderSettings(block_ms=50))
+    await trainer.ensure_groups()
+    await real_redis.xadd(SCORED, {b"v": b"1", b"kind": b"scored", b"traj": named.encode()})
+    assert await trim_streams(real_redis, [TRAJ, SCORED]) == removed  # and no error
+    assert await real_redis.xlen(TRAJ) == 4 - removed and await real_redis.xlen(SCORED) == 1
+
+
+async def test_trim_floor_steps_past_the_largest_sequence(real_redis: aioredis.Redis) -> None:
+    """A group whose last delivered id has the largest sequence: its floor is the next
+    millisecond, computed without a Lua number."""
+    await real_redis.xadd(TRAJ, {b"x": b"1"}, id="5-18446744073709551614")
+    await real_redis.xadd(TRAJ, {b"x": b"2"}, id="5-18446744073709551615")
+    await real_redis.xadd(TRAJ, {b"x": b"3"}, id="6-0")
+    await real_redis.xgroup_create(TRAJ, "scorers", id="5-18446744073709551615")
+    assert await trim_streams(real_redis, [TRAJ]) == 2  # both 5-… entries were consumed
+    assert [entry_id for entry_id, _ in await real_redis.xrange(TRAJ)] == [b"6-0"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions as redis_exceptions
 
 from consumers.bus import ReaderSettings, StreamReader, join_trajectories
 from consumers.scorer import GroupScore, RewardBridge, RewardConfig, Sample, ScoringError
@@ -209,6 +210,27 @@ async def test_scorer_trims_acked_entries_of_both_streams(
     assert await real_redis.xlen(scored_key) == 1  # only the unread group is left
     assert await real_redis.xlen(traj_key) == 1  # and the trajectory it names
     assert len(await scored_groups(real_redis)) == 1
+
+
+async def test_a_trim_redis_refuses_does_not_stop_the_scorer(
+    real_redis: aioredis.Redis, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused: list[int] = []
+
+    async def refusing(*args: object, **kwargs: object) -> int:
+        refused.append(1)
+        raise redis_exceptions.ResponseError("ERR Invalid stream ID specified as stream")
+
+    monkeypatch.setattr("ops.roles.trim_streams", refusing)
+    stop = asyncio.Event()
+    settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, block_ms=20)
+    task = asyncio.create_task(run_scorer(settings, stop, trim_every_s=0.05))
+    await until(lambda: len(refused) >= 3, "three refused trims")
+    await publish(real_redis, 2)
+    await until(lambda: _scored_at_least(real_redis, 2), "groups scored after the refusals")
+    assert not task.done()
+    stop.set()
+    await asyncio.wait_for(task, 30)
 
 
 BATCH_SCOPED = {

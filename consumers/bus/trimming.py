@@ -19,20 +19,46 @@ from schemas.keys import partner_key
 # not consumed (all of them, before KEYS[2] has a group) is kept, and with a retention
 # floor so is the trajectory of the oldest scored entry still retained (trainer replay).
 _SAFE_TRIM = """
+-- Entry ids stay decimal strings: Lua numbers are doubles, and an id above 2^53 turned
+-- into one comes back as 1.8e+19, which XTRIM refuses (an entry naming such an id once
+-- made every trim fail).
+local MAX = '18446744073709551615'
 local function parse(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  local ms, seq = string.match(id, '^(%d+)%-(%d+)$')
   if ms == nil then return nil end
-  return {tonumber(ms), tonumber(seq)}
+  local parts = {}
+  for i, part in ipairs({ms, seq}) do
+    part = string.match(part, '^0*(%d-)$')  -- no leading zeros: longer means larger
+    if part == '' then part = '0' end
+    if #part > #MAX or (#part == #MAX and part > MAX) then return nil end
+    parts[i] = part
+  end
+  return parts
 end
-local function less(a, b) return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2]) end
+local function below(a, b)  -- a < b, both decimal strings without leading zeros
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function less(a, b) return below(a[1], b[1]) or (a[1] == b[1] and below(a[2], b[2])) end
+local function increment(digits)
+  local i = #digits
+  while i > 0 and string.sub(digits, i, i) == '9' do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #digits) end
+  return string.sub(digits, 1, i - 1) .. string.char(string.byte(digits, i) + 1)
+    .. string.rep('0', #digits - i)
+end
+local function after(id)  -- the id right after id (past the last one: id itself)
+  if id[2] ~= MAX then return {id[1], increment(id[2])} end
+  if id[1] ~= MAX then return {increment(id[1]), '0'} end
+  return id
+end
 local function needed(key)
   if redis.call('EXISTS', key) == 0 then return nil end
   local floor = nil
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
     local info = {}
     for i = 1, #g, 2 do info[g[i]] = g[i + 1] end
-    local last = parse(info['last-delivered-id'])
-    local candidate = {last[1], last[2] + 1}
+    local candidate = after(parse(info['last-delivered-id']))
     if info['pending'] > 0 then
       local oldest = parse(redis.call('XPENDING', key, info['name'])[2])
       if less(oldest, candidate) then candidate = oldest end
