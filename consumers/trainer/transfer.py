@@ -170,6 +170,9 @@ def chunks(pairs: Iterable[tuple[str, Any]], chunk_bytes: int
     chunk: list[tuple[str, Any]] = []
     size = 0
     for name, tensor in pairs:
+        if hasattr(tensor, "full_tensor"):  # a shard: its bytes are not the parameter's
+            raise TypeError(f"{name} is a sharded (FSDP) tensor: gather the full state dict "
+                            "to the sending rank first (as examples/torchrun_trainer.py does)")
         host = tensor.detach().to("cpu").contiguous()
         nbytes = host.numel() * host.element_size()
         if chunk and size + nbytes > chunk_bytes:
@@ -236,9 +239,7 @@ class TcpTrainerEngine:
         if self.source is None:
             raise ValueError("rollq_tcp needs a source of (name, tensor) pairs")
         if not self.is_sender:
-            for _ in chunks(self.source, self.info.chunk_bytes):
-                pass  # stay in step with the sender's collectives (FSDP full_tensor)
-            return
+            return  # only rank 0 sends: it holds the whole model (gathered, under FSDP)
         self.client.start_weight_update()
         for chunk in chunks(self.source, self.info.chunk_bytes):
             self._send_chunk(chunk)

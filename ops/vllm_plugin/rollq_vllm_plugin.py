@@ -198,10 +198,12 @@ def _engine_classes() -> tuple[type, type, type]:
             streams, self._streams = self._streams, []
             if not streams:
                 return  # nothing staged (or discarded): the model stays as it is
-            weights = [pair for stream in streams
-                       for pair in stream.result(timeout=self.timeout_s)]
-            if self.device.type != "cpu":
-                weights = [(name, tensor.to(self.device)) for name, tensor in weights]
+            staged = [pair for stream in streams
+                      for pair in stream.result(timeout=self.timeout_s)]
+            device = self.device
+            # one tensor at a time onto the device: never a second copy of the model there
+            weights = (staged if device.type == "cpu" else
+                       ((name, tensor.to(device)) for name, tensor in staged))
             initialize_layerwise_reload(self.model)
             self.model.load_weights(weights)
             finalize_layerwise_reload(self.model, self.model_config)

@@ -26,6 +26,15 @@ def test_chunks_stay_under_the_bound_and_a_larger_tensor_goes_alone() -> None:
     assert all(t.is_contiguous() for chunk in chunks(pairs, 900) for _, t in chunk)
 
 
+def test_a_sharded_tensor_is_refused_rather_than_sent_as_its_shard() -> None:
+    class Shard:  # what FSDP's DTensor looks like to the sender
+        def full_tensor(self) -> None:
+            raise AssertionError("a collective on one rank would hang")
+
+    with pytest.raises(TypeError, match="gather the full state dict"):
+        list(chunks([("w", Shard())], chunk_bytes=1024))
+
+
 def test_each_failed_server_is_named_with_a_hint_for_a_missing_transfer_config() -> None:
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.host == "b":
