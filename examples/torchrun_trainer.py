@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -306,6 +307,13 @@ def train(args: argparse.Namespace) -> int:
             metrics.close()
         if client is not None:
             client.close()
+        # DDP's reducer holds the process group: free it first. Left to the collection at
+        # interpreter exit (freeze_heap keeps it from any earlier one), its gloo group's
+        # destructor ran after destroy_process_group and hung on a mutex: a rank that
+        # never exited, seen in CI about once in five runs.
+        model = reference = optimizer = None
+        gc.unfreeze()
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
