@@ -50,21 +50,6 @@ POISON: dict[str, tuple[dict[str, dict[bytes, bytes]], str]] = {
 }
 
 
-@pytest.fixture
-def layout_breaks_on(monkeypatch: pytest.MonkeyPatch) -> set[str]:
-    """Group ids whose layout raises, as the reviewer's OverflowError did."""
-    breaking: set[str] = set()
-    write_tokens = layout._write_tokens
-
-    def failing(groups: list[ScoredGroup], *args: Any, **kwargs: Any) -> None:
-        if any(g.group_id in breaking for g in groups):
-            raise OverflowError("Python integer 2147483648 out of bounds for int32")
-        write_tokens(groups, *args, **kwargs)
-
-    monkeypatch.setattr(layout, "_write_tokens", failing)
-    return breaking
-
-
 def assert_clean(batch: Batch) -> None:
     assert not [g for g in batch.group_ids if g.startswith("poison")]
     for array in (batch.advantages, batch.sampler_logprobs, batch.rewards):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,8 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from consumers.trainer import SyncTrainerClient, TrainerClient, layout
-from schemas import ScoredGroup, decode_dead
+from consumers.trainer import SyncTrainerClient, TrainerClient
+from schemas import decode_dead
 from schemas.keys import stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
@@ -176,21 +175,6 @@ async def test_other_sizes_leave_the_prepared_groups_first_in_line(
     assert trained == ids
     assert await counter(redis, "consumed") == len(ids)
     assert await pending(redis) == {}
-
-
-@pytest.fixture
-def layout_breaks_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
-    """Group ids whose layout raises (a group that decodes but cannot be laid out)."""
-    breaking: set[str] = set()
-    write_tokens = layout._write_tokens
-
-    def failing(groups: list[ScoredGroup], *args: Any, **kwargs: Any) -> None:
-        if any(g.group_id in breaking for g in groups):
-            raise OverflowError("Python integer 2147483648 out of bounds for int32")
-        write_tokens(groups, *args, **kwargs)
-
-    monkeypatch.setattr(layout, "_write_tokens", failing)
-    yield breaking
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "without"])
