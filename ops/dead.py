@@ -6,8 +6,11 @@ Requeueing a letter puts its work back where it failed:
 - a stream entry (a scorer's traj entry, a trainer's scored entry) is re-added to its
   source stream with its original fields, byte for byte (same ``group_id``), and is
   processed again by that stream's consumer groups;
-- a rollout job (``source_stream`` ``jobs:<run>``) is enqueued again under its job id
-  (``producers.worker.requeue_rollout``), so it publishes the same ``group_id``.
+- a rollout job (``source_stream`` ``jobs:<run>``) goes to its partition's readmit list
+  (``schemas.keys.readmit_key``); the run's feeder enqueues it from there under its job id
+  (``producers.worker.requeue_rollout``, same ``group_id``) within the admission budget,
+  ahead of new items, like a new job: a requeue of hundreds of letters never floods the
+  queue with groups that would go stale before the trainer reaches them.
 
 Accounting, per letter and atomic (the partition's keys share a hash tag): the letter is
 deleted, ``drop:<reason>`` goes down by one (the counters keep saying what is dead now, and
@@ -15,8 +18,9 @@ the admission budget sees the group in flight again) and ``requeued`` up by one.
 stream entry the copy is XADDed in the same MULTI/EXEC, and the script after it deletes the
 copy again unless its own XDEL removed the letter, so of two callers requeueing one letter
 exactly one re-adds it (as ``consumers.bus`` forwards: the payload, up to a whole group,
-stays out of the script's arguments). A rollout job is enqueued only while its letter is
-still there, and the letter is then removed by the same script.
+stays out of the script's arguments). A rollout job's letter is moved to the readmit list
+by one script, so two callers requeue it once. While it waits there the admission budget
+does not count it in flight (``producers.feeder``).
 
 Requeueing never trains a group twice: the ``group_id`` is kept, and the trainer drops a
 copy of a group it already trained (its seen-set, which remembers a group for
@@ -38,7 +42,7 @@ import structlog
 
 from consumers.bus import is_entry_id, join_trajectories, translated_errors
 from consumers.trainer import TrainerClientSettings
-from producers.worker import connect_queue, requeue_rollout
+from producers.worker import parse_job_id
 from schemas import (
     DeadLetter,
     DecodeError,
@@ -49,6 +53,7 @@ from schemas import (
     trajectory_ref,
 )
 from schemas.keys import (
+    readmit_key,
     DROP_PREFIX,
     PARTITIONS_FIELD,
     counters_key,
@@ -91,6 +96,16 @@ if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then
 end
 redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
 redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+return 1
+"""
+# KEYS[1] dead stream, KEYS[2] counters, KEYS[3] the partition's readmit list; ARGV[1]
+# letter id, ARGV[2] drop:<reason>, ARGV[3] the requeued counter, ARGV[4] the job id.
+# Returns 1 (moved to the readmit list) or 0 (the letter was gone: requeued by someone else).
+_READMIT = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+redis.call('RPUSH', KEYS[3], ARGV[4])
 return 1
 """
 _PAGE = 256
@@ -254,7 +269,7 @@ def refusal(item: Letter, run: str, dedup_window_s: float | None) -> str | None:
     if letter.consumer_group == RESCORE_GROUP:
         return "a rescore failure: run `rollq rescore` again"
     if item.is_job:
-        if letter.source_stream != JOB_SOURCE_PREFIX + run or _job_parts(run, letter.source_id) \
+        if letter.source_stream != JOB_SOURCE_PREFIX + run or parse_job_id(run, letter.source_id) \
                 is None:
             return (f"job {letter.source_id!r} of {letter.source_stream!r} is not a rollout "
                     f"job of run {run!r}")
@@ -271,34 +286,25 @@ def refusal(item: Letter, run: str, dedup_window_s: float | None) -> str | None:
     return None
 
 
-async def requeue(redis: aioredis.Redis, redis_url: str, run: str, chosen: Sequence[Letter],
-                  options: Mapping[str, Any] | None = None, *,
+async def requeue(redis: aioredis.Redis, run: str, chosen: Sequence[Letter], *,
                   dedup_window_s: float | None = DEDUP_WINDOW_S,
                   dry_run: bool = False) -> list[Outcome]:
-    """Requeue letters, in order; one ``Outcome`` each. ``redis_url`` and ``options`` (the
-    TLS options of ``ops.connections.redis_options``) connect arq's queue for rollout jobs.
+    """Requeue letters, in order; one ``Outcome`` each.
     ``dedup_window_s``: the trainers' setting (``too_old``); None requeues old letters too.
     ``dry_run``: say what would happen, change nothing."""
     outcomes: list[Outcome] = []
-    queue = None
-    try:
-        for item in chosen:
-            why = refusal(item, run, dedup_window_s)
-            if why is not None:
-                outcomes.append(Outcome(item, "skipped", why))
-            elif dry_run:
-                target = f"job {item.letter.source_id}" if item.is_job else \
-                    item.letter.source_stream
-                outcomes.append(Outcome(item, "would_requeue", f"would go back to {target}"))
-            elif item.is_job:
-                if queue is None:
-                    queue = await connect_queue(redis_url, options)
-                outcomes.append(await _requeue_job(redis, queue, run, item))
-            else:
-                outcomes.append(await _requeue_entry(redis, run, item))
-    finally:
-        if queue is not None:
-            await queue.aclose()
+    for item in chosen:
+        why = refusal(item, run, dedup_window_s)
+        if why is not None:
+            outcomes.append(Outcome(item, "skipped", why))
+        elif dry_run:
+            target = f"job {item.letter.source_id}" if item.is_job else \
+                item.letter.source_stream
+            outcomes.append(Outcome(item, "would_requeue", f"would go back to {target}"))
+        elif item.is_job:
+            outcomes.append(await _requeue_job(redis, run, item))
+        else:
+            outcomes.append(await _requeue_entry(redis, run, item))
     return outcomes
 
 
@@ -327,30 +333,19 @@ async def _requeue_entry(redis: aioredis.Redis, run: str, item: Letter) -> Outco
     return Outcome(item, "requeued", f"re-added to {letter.source_stream} as {new_id}")
 
 
-async def _requeue_job(redis: aioredis.Redis, queue: Any, run: str, item: Letter) -> Outcome:
-    parts = _job_parts(run, item.letter.source_id)
-    assert parts is not None  # refusal() checked
-    env, position = parts
-    # Enqueue only while the letter is there: a letter listed a while ago and requeued by
-    # someone else since must not run its job again. Enqueue before removing the letter:
-    # a crash in between leaves a letter to requeue again, never a job lost.
-    async with translated_errors("reading a dead letter"):
-        if not await redis.xrange(item.stream, min=item.entry_id, max=item.entry_id):
-            return Outcome(item, "gone", "requeued meanwhile by someone else")
-    enqueued = await requeue_rollout(queue, run, env, position)
-    keys = [item.stream, counters_key(run, item.partition)]
+async def _requeue_job(redis: aioredis.Redis, run: str, item: Letter) -> Outcome:
+    # One script moves the letter to the partition's readmit list; the feeder enqueues it
+    # from there within the admission budget, like a new job (see the module docstring).
+    keys = [item.stream, counters_key(run, item.partition), readmit_key(run, item.partition)]
     async with translated_errors("requeueing"):
-        claimed = await redis.eval(_CLAIM, len(keys), *keys, item.entry_id,
-                                   DROP_PREFIX + item.letter.reason, REQUEUED_COUNTER, "")
+        claimed = await redis.eval(_READMIT, len(keys), *keys, item.entry_id,
+                                   DROP_PREFIX + item.letter.reason, REQUEUED_COUNTER,
+                                   item.letter.source_id)
     if claimed == 0:
-        return Outcome(item, "gone", "requeued meanwhile by someone else" + (
-            " (this call enqueued the job: should it run twice, the trainer drops the copy)"
-            if enqueued else ""))
+        return Outcome(item, "gone", "requeued meanwhile by someone else")
     log.info("dead_letter_requeued", run=run, entry_id=item.entry_id,
-             reason=item.letter.reason, group_id=item.group_id, job=item.letter.source_id,
-             enqueued=enqueued)
-    return Outcome(item, "requeued", "job enqueued" if enqueued else
-                   "job already queued or running")
+             reason=item.letter.reason, group_id=item.group_id, job=item.letter.source_id)
+    return Outcome(item, "requeued", "job waits for admission by the run's feeder")
 
 
 def payload_summary(payload: Fields) -> dict[str, Any]:
@@ -409,16 +404,6 @@ def _letter(stream: str, entry_id: str, fields: Fields) -> Letter | None:
     except DecodeError as exc:
         log.warning("dead_entry_unreadable", stream=stream, entry_id=entry_id, error=str(exc))
         return None
-
-
-def _job_parts(run: str, source_id: str) -> tuple[str, int] | None:
-    """(env, position) of job id ``<run>:<env>:<position>`` (an env name may hold colons)."""
-    if not source_id.startswith(run + ":"):
-        return None
-    env, _, position = source_id[len(run) + 1:].rpartition(":")
-    if not env or not position.isdigit():
-        return None
-    return env, int(position)
 
 
 def _id_seconds(entry_id: str) -> float | None:

@@ -13,7 +13,6 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ops.connections import queue_options, queue_url
 from ops.dead import (
     DEDUP_WINDOW_S,
     Letter,
@@ -149,8 +148,7 @@ async def _requeue(redis: aioredis.Redis, settings: CommonSettings,
                                partition=args.partition, newest_first=False)
     window = None if args.force else args.dedup_window_s
     if not chosen or args.dry_run:
-        outcomes = await requeue(redis, queue_url(settings), run, chosen, dedup_window_s=window,
-                                 dry_run=True)
+        outcomes = await requeue(redis, run, chosen, dedup_window_s=window, dry_run=True)
         _print_outcomes(outcomes, args.json, "dry run, nothing changed: " if chosen else "")
         return int(Exit.OK)
     if not args.yes:
@@ -164,9 +162,12 @@ async def _requeue(redis: aioredis.Redis, settings: CommonSettings,
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing requeued")
             return int(Exit.OK)
-    outcomes = await requeue(redis, queue_url(settings), run, chosen, queue_options(settings),
-                             dedup_window_s=window)
+    outcomes = await requeue(redis, run, chosen, dedup_window_s=window)
     _print_outcomes(outcomes, args.json)
+    if not args.json and any(o.action == "requeued" and o.letter.is_job for o in outcomes):
+        print("requeued rollout jobs wait for admission: the run's feeder (`rollq feed`) "
+              "enqueues them within its budget, ahead of new items; start it again if it "
+              "has finished")
     return int(Exit.OK)
 
 

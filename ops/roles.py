@@ -44,7 +44,7 @@ from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout
+from producers.worker import build_worker, connect_queue, enqueue_rollout, requeue_rollout
 from schemas import BrokerUnavailable
 from schemas.heap import startup_done
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
@@ -316,10 +316,14 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
             return await enqueue_rollout(queue, settings.run, env.name, position,
                                          items=len(env))
 
+        async def requeue(env_name: str, position: int) -> bool:
+            return await requeue_rollout(queue, settings.run, env_name, position)
+
         log.info("feeder_started", run=settings.run, env=env.name, items=len(env),
                  epochs=settings.epochs)
         rider = OutageRider(give_up_s=settings.redis_give_up_s, what="feeder", log=log)
-        feeder = Feeder(redis, settings.run, plan, enqueue)
+        feeder = Feeder(redis, settings.run, plan, enqueue, requeue=requeue,
+                        trip_after=settings.breaker_failures)
         startup_done()
         async with LoopLagMonitor("feeder") as lag, serve_metrics(
                 settings, "feeder", lag, feeder_metrics(feeder)):

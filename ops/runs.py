@@ -5,7 +5,9 @@ A run's keys are everything under its hash tags (``rollq:{RUN}:*`` and
 ``RUN:``) and its name in ``rollq:runs``. ``delete`` removes all of them; with
 ``archive`` it first writes each key's ``DUMP`` (Redis' own serialisation: exact, every
 type) to a file, which ``restore`` loads back with ``RESTORE``. A run that still looks
-alive (a role wrote to it recently, or entries are pending) is refused unless forced.
+alive (a role wrote to it recently, or entries are pending) is refused unless forced, and
+``--dry-run`` lists its keys all the same. ``resume`` closes a run's circuit breaker
+(``schemas.breaker``), so its feeder admits jobs again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from consumers.bus import translated_errors
+from schemas import breaker
 from schemas.keys import PARTITIONS_FIELD, RUNS_KEY, check_run_name, state_key, stream_keys
 
 ARQ_PREFIXES = ("arq:job:", "arq:result:", "arq:in-progress:", "arq:retry:")
@@ -177,7 +180,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     back = sub.add_parser("restore", help="load a run archived by `delete --archive`")
     back.add_argument("file", type=Path)
     back.add_argument("--replace", action="store_true", help="overwrite keys that exist")
-    for action in (listing, remove, back):
+    again = sub.add_parser("resume", help="admit jobs again after the circuit breaker "
+                           "stopped a run (consecutive jobs failed the same way): fix the "
+                           "cause first")
+    again.add_argument("name", help="the run to resume")
+    for action in (listing, remove, back, again):
         add_common_flags(action)
 
 
@@ -199,6 +206,8 @@ async def command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
             run, count = await restore(redis, args.file, replace=args.replace)
             print(f"restored run {run!r}: {count} keys")
             return Exit.OK
+        if args.action == "resume":
+            return await _resume(redis, args.name, Exit)
         return await _delete(redis, args, Exit)
     finally:
         await redis.aclose()
@@ -209,17 +218,23 @@ async def _delete(redis: aioredis.Redis, args: argparse.Namespace, exit_codes: A
     if run not in {r.decode() for r in await redis.smembers(RUNS_KEY)}:
         print(f"rollq: run {run!r} not found (see `rollq runs list`)", file=sys.stderr)
         return int(exit_codes.NOT_FOUND)
+    busy: RunBusy | None = None
     if not args.force:
         try:
             await check_idle(redis, run, idle_s=args.idle_s)
         except RunBusy as exc:
-            print(f"rollq: {exc}; stop its roles first, or pass --force", file=sys.stderr)
-            return int(exit_codes.FAILURE)
+            busy = exc
+            if not args.dry_run:
+                print(f"rollq: {exc}; stop its roles first, or pass --force", file=sys.stderr)
+                return int(exit_codes.FAILURE)
     keys = await run_keys(redis, run)
     print(f"run {run!r}: {len(keys)} keys")
     if args.dry_run:
         for key in keys:
             print(f"  {key}")
+        if busy is not None:
+            print(f"note: a delete would be refused now: {busy}; stop its roles first, or "
+                  "pass --force")
         return int(exit_codes.OK)
     if not args.yes:
         if not sys.stdin.isatty():
@@ -235,6 +250,20 @@ async def _delete(redis: aioredis.Redis, args: argparse.Namespace, exit_codes: A
         size = await archive(redis, run, keys, args.archive)
         print(f"archived {len(keys)} keys to {args.archive} ({size / 1e6:.1f} MB)")
     print(f"deleted {await delete(redis, run, keys)} keys of run {run!r}")
+    return int(exit_codes.OK)
+
+
+async def _resume(redis: aioredis.Redis, name: str, exit_codes: Any) -> int:
+    run = check_run_name(name)
+    if run not in {r.decode() for r in await redis.smembers(RUNS_KEY)}:
+        print(f"rollq: run {run!r} not found (see `rollq runs list`)", file=sys.stderr)
+        return int(exit_codes.NOT_FOUND)
+    was = await breaker.resume(redis, run)
+    if was is None:
+        print(f"run {run!r} was admitting jobs: nothing to resume")
+    else:
+        print(f"run {run!r} resumed: the feeder admits jobs again (it had stopped after "
+              f"{was.streak} jobs failed with {was.reason})")
     return int(exit_codes.OK)
 
 

@@ -77,6 +77,9 @@ class CommonSettings(BaseModel):
     redis_give_up_s: float = Field(default=300.0, ge=0)
     """How long a running role rides out a Redis outage (seconds of continuous failure)
     before it exits with 69; at start-up Redis must answer at once."""
+    stall_warning_s: float = Field(default=300.0, gt=0)
+    """A long-running role whose run makes no progress (nothing scored or consumed) for this
+    long logs one WARNING saying why (``ops.watchdog``)."""
 
     @field_validator("run")
     @classmethod
@@ -244,6 +247,10 @@ class FeederSettings(CommonSettings):
     """Groups the trainer consumes per optimizer step."""
     poll_s: float = Field(default=0.2, gt=0)
     """How often the feeder re-checks its admission budget (seconds)."""
+    breaker_failures: int = Field(default=10, ge=0)
+    """Consecutive rollout jobs dead-lettered with the same contract or inference reason
+    after which the feeder stops admitting until ``rollq runs resume`` (capped at the first
+    admission budget, ``(max_staleness + 1) × batch_groups``); 0: never stop."""
 
 
 RewardSource = Literal["env", "bridge"]

@@ -14,7 +14,8 @@ from consumers.trainer.client import TRAINER_GROUP
 from ops.health import WorkersHealth, read_health
 from producers.admission import outstanding
 from producers.worker import queue_name
-from schemas import DecodeError, scored_rewards
+from schemas import DecodeError, breaker, scored_rewards
+from schemas.breaker import Tripped
 from schemas.keys import (
     ADMITTED_FIELD,
     DROP_PREFIX,
@@ -23,6 +24,7 @@ from schemas.keys import (
     RUNS_KEY,
     STREAM_NAMES,
     counters_key,
+    readmit_key,
     state_key,
     stream_key,
     sum_counters,
@@ -50,6 +52,8 @@ class Accounting:
     """``admitted − consumed − dropped``: groups that should be in flight."""
     jobs: int
     """Rollout jobs in the run's arq queue."""
+    waiting: int
+    """Requeued rollout jobs waiting in the readmit lists for the feeder."""
     unscored: int | None
     """Traj entries pending or not yet read by the ``scorers`` group (None: unknown)."""
     unconsumed: int | None
@@ -59,7 +63,7 @@ class Accounting:
     def held(self) -> int | None:
         if self.unscored is None or self.unconsumed is None:
             return None
-        return self.jobs + self.unscored + self.unconsumed
+        return self.jobs + self.waiting + self.unscored + self.unconsumed
 
     @property
     def unaccounted(self) -> int | None:
@@ -81,6 +85,8 @@ class RunStatus:
     accounting: Accounting | None = None
     workers: WorkersHealth | None = None
     """The run's live worker processes and their jobs (arq's health records)."""
+    breaker: Tripped | None = None
+    """The open circuit breaker: why the feeder stopped admitting (None: admitting)."""
     taken_at: float = field(default_factory=time.time)
 
     @property
@@ -131,6 +137,7 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
     admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
     async with translated_errors("reading the job queue"):
         jobs = int(await (queue or redis).zcard(queue_name(run)))
+        waiting = sum([int(await redis.llen(readmit_key(run, p))) for p in range(partitions)])
     async with translated_errors("reading the workers' health"):
         workers = await read_health(queue or redis, run)
     return RunStatus(
@@ -143,10 +150,11 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
         reward_mean=float(np.mean(rewards)) if rewards else None,
         reward_samples=len(rewards),
         accounting=Accounting(
-            expected=outstanding(admitted, counters)[1], jobs=jobs,
+            expected=outstanding(admitted, counters)[1], jobs=jobs, waiting=waiting,
             unscored=_not_done(streams, "traj", "scorers"),
             unconsumed=_not_done(streams, "scored", TRAINER_GROUP)),
         workers=workers,
+        breaker=await breaker.read(redis, run),
     )
 
 
@@ -169,7 +177,9 @@ def _not_done(streams: list[StreamStats], name: str, group: str) -> int | None:
 
 def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
     """Human-readable status; with ``previous``, counters also show rates per second."""
-    lines = [
+    lines = [] if status.breaker is None else [
+        f"STOPPED: {status.breaker.explain(status.run)}"]
+    lines += [
         f"run {status.run}: {status.partitions} partition(s), policy_version "
         f"{status.policy_version}, admitted {status.admitted}, "
         f"scored {status.counters.get('scored', 0)}, consumed {status.counters.get('consumed', 0)}"
@@ -204,7 +214,8 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
         held = "?" if accounting.held is None else str(accounting.held)
         lines.append(
             f"in flight: {accounting.expected} expected (admitted − consumed − dropped), "
-            f"{held} found: {accounting.jobs} jobs, {accounting.unscored} unscored, "
+            f"{held} found: {accounting.jobs} jobs, {accounting.waiting} requeued jobs "
+            f"waiting for admission, {accounting.unscored} unscored, "
             f"{accounting.unconsumed} unconsumed")
         if accounting.unaccounted:
             lines.append(

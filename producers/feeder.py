@@ -44,13 +44,16 @@ import redis.exceptions as redis_errors
 import structlog
 
 from producers.admission import admit, outstanding
-from schemas import BrokerUnavailable
+from producers.worker import parse_job_id
+from schemas import BrokerUnavailable, breaker
+from schemas.breaker import Tripped
 from schemas.errors import translated_errors
 from schemas.keys import (
     ADMITTED_FIELD,
     PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
     counters_key,
+    readmit_key,
     run_key,
     state_key,
     sum_counters,
@@ -61,6 +64,8 @@ log = structlog.get_logger("rollq.feeder")
 CURSOR_FIELD = "cursor"
 
 Enqueue = Callable[[int], Awaitable[bool]]
+Requeue = Callable[[str, int], Awaitable[bool]]
+"""Enqueue a requeued job again: ``(env, position) -> False`` when it is queued already."""
 
 # KEYS[1] state hash; ARGV[1] a position whose job is in arq's queue now. The first commit
 # of a position counts it and moves the cursor past it; any later one changes nothing.
@@ -90,6 +95,12 @@ class FeedPlan:
     def total(self) -> int:
         return self.dataset_size * self.epochs
 
+    @property
+    def first_budget(self) -> int:
+        """Jobs admitted before the trainer's first step: ``(max_staleness + 1) ×
+        batch_groups``."""
+        return (self.max_staleness + 1) * self.batch_groups
+
 
 @dataclass(frozen=True)
 class FeedState:
@@ -97,22 +108,31 @@ class FeedState:
     version: int
     consumed: int
     outstanding: int
+    """Admitted, not consumed or dropped, and not waiting in a readmit list."""
+    waiting: int = 0
+    """Requeued jobs in the readmit lists, not yet enqueued again."""
+
+    def free(self, plan: FeedPlan) -> int:
+        """Jobs the admission rule allows now, requeued or new."""
+        return admit(self.version, self.consumed, self.outstanding,
+                     max_staleness=plan.max_staleness, batch_groups=plan.batch_groups)
 
     def budget(self, plan: FeedPlan) -> int:
-        free = admit(self.version, self.consumed, self.outstanding,
-                     max_staleness=plan.max_staleness, batch_groups=plan.batch_groups)
-        return min(free, plan.total - self.cursor)
+        """New positions to admit now: what the rule allows after the requeued jobs."""
+        return max(0, min(self.free(plan) - self.waiting, plan.total - self.cursor))
 
 
 class Feeder:
     """Enqueues rollout jobs of one run while the admission budget allows."""
 
     def __init__(self, redis: aioredis.Redis, run: str, plan: FeedPlan, enqueue: Enqueue,
-                 *, lease_s: float = 30.0) -> None:
+                 *, lease_s: float = 30.0, trip_after: int | None = None,
+                 requeue: Requeue | None = None) -> None:
         self.redis = redis
         self.run = run
         self.plan = plan
         self.enqueue = enqueue
+        self.requeue = requeue
         self.lease_s = lease_s
         self.lease_key = run_key(run, "feeder:lease")
         self._token = secrets.token_hex(8)
@@ -120,9 +140,19 @@ class Feeder:
         self._release = redis.register_script(_RELEASE)
         self.admitted = 0
         """Jobs this feeder admitted (committed first), for its metrics."""
+        self.readmitted = 0
+        """Requeued jobs this feeder enqueued again from the readmit lists."""
         self.last_state: FeedState | None = None
         self.last_budget = 0
         """The state and budget of this feeder's last admission check (its metrics)."""
+        self.trip_after = None if not trip_after else min(trip_after, plan.first_budget)
+        """Consecutive same-reason job failures that stop admission (``schemas.breaker``),
+        at most the first budget so that at most twice the budget is dead-lettered; None:
+        never stop."""
+        self.partitions = 1
+        """The run's partition count, as the last ``read_state`` found it."""
+        self.tripped: Tripped | None = None
+        """The open breaker this feeder last saw (None: admitting)."""
 
     @property
     def key(self) -> str:
@@ -130,15 +160,18 @@ class Feeder:
 
     async def read_state(self) -> FeedState:
         state = await self.redis.hgetall(self.key)
-        partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
+        partitions = self.partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
         counters = sum_counters([await self.redis.hgetall(counters_key(self.run, p))
                                  for p in range(partitions)])
         consumed, pending = outstanding(int(state.get(ADMITTED_FIELD.encode(), b"0")), counters)
+        waiting = sum([int(await self.redis.llen(readmit_key(self.run, p)))
+                       for p in range(partitions)])
         return FeedState(
             cursor=int(state.get(CURSOR_FIELD.encode(), b"0")),
             version=int(state.get(POLICY_VERSION_FIELD.encode(), b"0")),
             consumed=consumed,
-            outstanding=pending,
+            outstanding=max(0, pending - waiting),
+            waiting=waiting,
         )
 
     async def feed_once(self) -> int:
@@ -155,7 +188,10 @@ class Feeder:
                                     px=int(self.lease_s * 1000)):
             return 0  # another feeder admits now: this one is a standby
         try:
+            if await self._breaker_open():
+                return 0
             state = self.last_state = await self.read_state()
+            readmitted = await self._readmit(min(state.waiting, state.free(self.plan)))
             budget = self.last_budget = state.budget(self.plan)
             created = 0
             for position in range(state.cursor, state.cursor + budget):
@@ -167,16 +203,68 @@ class Feeder:
                     log.info("job_already_enqueued", position=position)
         finally:
             await self._release(keys=[self.lease_key], args=[self._token])
+        if readmitted:
+            log.info("requeued_jobs_admitted", count=readmitted, waiting=state.waiting
+                     - readmitted, policy_version=state.version)
         if budget:
             log.info("jobs_admitted", count=created, cursor=state.cursor + budget,
                      policy_version=state.version, consumed=state.consumed,
                      outstanding=state.outstanding)
         return created
 
+    async def _readmit(self, count: int) -> int:
+        """Enqueue up to ``count`` requeued jobs from the readmit lists, oldest first per
+        partition. Each is enqueued before it leaves its list, so a feeder that dies in
+        between enqueues it again (refused while queued; a job that already ran runs again
+        and the trainer drops the copy: a duplicate, never a loss)."""
+        done = 0
+        for partition in range(self.partitions):
+            key = readmit_key(self.run, partition)
+            while done < count:
+                raw = await self.redis.lindex(key, 0)
+                if raw is None:
+                    break
+                ident = raw.decode()
+                parsed = parse_job_id(self.run, ident)
+                if parsed is None or self.requeue is None:
+                    log.error("requeued_job_refused", job=ident, reason="not a rollout job "
+                              "of this run" if parsed is None else "no requeue on this feeder")
+                    if parsed is None:  # unreadable: it cannot ever be admitted
+                        await self.redis.lrem(key, 1, raw)
+                        continue
+                    return done
+                await self.requeue(*parsed)
+                await self.redis.lrem(key, 1, raw)
+                done += 1
+                self.readmitted += 1
+        return done
+
+    async def _breaker_open(self) -> bool:
+        """Trip the breaker when the failure streak calls for it; log ONE error line per
+        trip (and one line when a resume closed it)."""
+        if self.trip_after is None:
+            return False
+        tripped = await breaker.trip(self.redis, self.run, self.trip_after)
+        if tripped is None:
+            if self.tripped is not None:
+                log.info("admission_resumed", run=self.run)
+            self.tripped = None
+            return False
+        if self.tripped is None or self.tripped.at != tripped.at:
+            log.error("admission_stopped", run=self.run, reason=tripped.reason,
+                      streak=tripped.streak, detail=tripped.detail[:300],
+                      resume=breaker.RESUME_COMMAND.format(run=self.run),
+                      message=tripped.explain(self.run))
+        self.tripped = tripped
+        return True
+
     async def finished(self) -> bool:
+        """Whether every epoch is admitted and no requeued job waits."""
         async with translated_errors("reading the cursor"):
             cursor = await self.redis.hget(self.key, CURSOR_FIELD)
-        return int(cursor or 0) >= self.plan.total
+            waiting = sum([int(await self.redis.llen(readmit_key(self.run, p)))
+                           for p in range(self.partitions)])
+        return int(cursor or 0) >= self.plan.total and not waiting
 
     async def run_until(self, stop: asyncio.Event, poll_s: float,
                         rider: OutageRider | None = None) -> None:

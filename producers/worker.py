@@ -52,7 +52,7 @@ import contextlib
 import os
 import socket
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -68,6 +68,7 @@ from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
 from producers.rollout import PolicyVersionSource, RolloutRunner
 from schemas import BrokerUnavailable
+from schemas.breaker import record_failure, record_success
 from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
 from schemas.heap import startup_done
 from schemas.keys import run_key
@@ -88,6 +89,17 @@ def job_id(run: str, env: str, position: int) -> str:
     """``<run>:<env>:<position>``: the job id, the group id it publishes, and the
     ``source_id`` of its dead letter (``rollq dead requeue`` splits it from the right)."""
     return f"{run}:{env}:{position}"
+
+
+def parse_job_id(run: str, ident: str) -> tuple[str, int] | None:
+    """``(env, position)`` of job id ``<run>:<env>:<position>`` (an env name may hold
+    colons); None when ``ident`` is not a job id of ``run``."""
+    if not ident.startswith(run + ":"):
+        return None
+    env, _, position = ident[len(run) + 1:].rpartition(":")
+    if not env or not position.isdigit():
+        return None
+    return env, int(position)
 
 
 def _serialize(value: Any) -> bytes:
@@ -168,6 +180,7 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
                     runner.check_job(env, items)
                     entry_id = await runner.run_job(group_id, position)
                 ctx[OUTCOMES][PUBLISHED] += 1
+                await _streak(record_success(runner.publisher.redis, runner.run))
                 return entry_id
             except asyncio.CancelledError:
                 # A graceful stop past its grace period (or arq's own timeout): arq puts
@@ -215,6 +228,18 @@ async def _give_up(runner: RolloutRunner, group_id: str, verdict: Verdict) -> No
     await runner.publisher.publish_failure(group_id, verdict.reason, verdict.detail)
     log.error("rollout_dead_lettered", reason=verdict.reason, detail=verdict.detail,
               servers=runner.pool.base_urls)
+    await _streak(record_failure(runner.publisher.redis, runner.run, verdict.reason,
+                                 verdict.detail))
+
+
+async def _streak(update: Awaitable[object]) -> None:
+    """Update the run's failure streak (``schemas.breaker``) after the job's outcome is
+    written: the outcome stands either way, so a Redis failure here is logged, not retried
+    (a streak missed by one job trips the breaker one job later)."""
+    try:
+        await update
+    except BrokerUnavailable as exc:
+        log.warning("failure_streak_not_updated", error=str(exc))
 
 
 async def requeue_rollout(queue: ArqRedis, run: str, env: str, position: int) -> bool:

@@ -10,6 +10,7 @@ tag ``{<run>}``.
     rollq:{<run>:<p>}:dead      dead letters of either stage
     rollq:{<run>:<p>}:counters  hash: scored, consumed, drop:<reason>… (updated in the same
                                 Lua call as the XACK they describe, so counts are exact)
+    rollq:{<run>:<p>}:readmit   list: ids of requeued rollout jobs waiting for the feeder
     rollq:{<run>}:state         hash: partitions, policy_version, created_at, counters
     rollq:runs                  set of known run names
 """
@@ -80,6 +81,12 @@ def sum_counters(hashes: Iterable[Mapping[bytes, bytes]]) -> dict[str, int]:
         for name, value in fields.items():
             counters[name.decode()] = counters.get(name.decode(), 0) + int(value)
     return counters
+
+
+def readmit_key(run: str, partition: int) -> str:
+    """Key of a partition's list of requeued rollout jobs that wait for admission (same
+    hash tag as its dead stream, so a requeue moves a letter there in one script)."""
+    return f"{PREFIX}:{{{run}:{partition}}}:readmit"
 
 
 def run_key(run: str, name: str) -> str:

@@ -38,9 +38,16 @@ from ops.settings import ScorerSettings
 from ops.status import collect_status, render_status
 from producers.admission import outstanding
 from producers.publisher import Publisher
-from producers.worker import connect_queue, enqueue_rollout, job_id, queue_name
+from producers.feeder import Feeder, FeedPlan
+from producers.worker import (
+    connect_queue,
+    enqueue_rollout,
+    job_id,
+    queue_name,
+    requeue_rollout,
+)
 from schemas import ContractError, DeadLetter, Fields, decode_trajectory, encode, encode_dead
-from schemas.keys import ADMITTED_FIELD, counters_key, state_key, stream_key
+from schemas.keys import ADMITTED_FIELD, counters_key, readmit_key, state_key, stream_key
 from tests.factories import make_group, score
 from tests.producers.fake_vllm import FakeVLLM
 from tests.producers.test_job_failures import FlakyEnv, worker
@@ -71,6 +78,25 @@ async def in_flight(redis: aioredis.Redis) -> int:
     """``admitted − consumed − dropped``, as the feeder's admission sees it."""
     admitted = int(await redis.hget(state_key(RUN), ADMITTED_FIELD) or 0)
     return outstanding(admitted, await counters(redis))[1]
+
+
+async def readmit_once(url: str, redis: aioredis.Redis) -> int:
+    """One pass of a real feeder (budget 8, no new items): the requeued jobs it enqueued."""
+    queue = await connect_queue(url)
+
+    async def no_new_items(position: int) -> bool:
+        raise AssertionError("the dataset is empty")
+
+    async def requeue_job(env: str, position: int) -> bool:
+        return await requeue_rollout(queue, RUN, env, position)
+
+    feeder = Feeder(redis, RUN, FeedPlan(dataset_size=0, epochs=1, max_staleness=1,
+                                         batch_groups=4), no_new_items, requeue=requeue_job)
+    try:
+        await feeder.feed_once()
+    finally:
+        await queue.aclose()
+    return feeder.readmitted
 
 
 async def admit(redis: aioredis.Redis, groups: int) -> None:
@@ -217,13 +243,13 @@ async def test_requeue_a_scoring_failure_after_fixing_the_config(
 
     [chosen] = [d for d in dead if d.group_id == "g1"]
     traj_length = await real_redis.xlen(stream_key(RUN, 0, "traj"))
-    [dry] = await requeue(real_redis, redis_server.url, RUN, [chosen], dry_run=True)
+    [dry] = await requeue(real_redis, RUN, [chosen], dry_run=True)
     assert dry.action == "would_requeue"
     assert len(await letters(real_redis, RUN)) == 3  # the dry run changed nothing
     assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == traj_length
     assert "requeued" not in await counters(real_redis)
 
-    [done] = await requeue(real_redis, redis_server.url, RUN, [chosen])
+    [done] = await requeue(real_redis, RUN, [chosen])
     assert done.action == "requeued" and stream_key(RUN, 0, "traj") in done.detail
     [(_, fields)] = await real_redis.xrange(stream_key(RUN, 0, "traj"),
                                             min=done.detail.rsplit(" ", 1)[1])
@@ -268,13 +294,13 @@ async def test_requeue_a_trainer_failure_goes_back_to_the_scored_stream(
     assert by_group["kept"].source == "scored"
 
     await real_redis.xdel(traj, traj_ids["trimmed"])  # its trajectory was trimmed meanwhile
-    [skipped] = await requeue(real_redis, redis_server.url, RUN, [by_group["trimmed"]])
+    [skipped] = await requeue(real_redis, RUN, [by_group["trimmed"]])
     assert skipped.action == "skipped" and "trimmed" in skipped.detail
     assert await real_redis.xlen(scored) == 2  # the copy added in the MULTI was taken back
     assert len(await find(real_redis, RUN, by_group["trimmed"].entry_id)) == 1
     assert (await counters(real_redis))["drop:unexpected_error"] == 2
 
-    [done] = await requeue(real_redis, redis_server.url, RUN, [by_group["kept"]])
+    [done] = await requeue(real_redis, RUN, [by_group["kept"]])
     assert done.action == "requeued" and scored in done.detail
     assert await in_flight(real_redis) == 1
     async with trainer_client(real_redis) as trainer:
@@ -301,12 +327,16 @@ async def test_requeue_a_rollout_failure_runs_the_job_again(
     assert (await counters(real_redis))["drop:contract_error"] == 1
     assert await in_flight(real_redis) == 0
 
-    # Three operators at once: one requeue, one job.
-    outcomes = await asyncio.gather(*(requeue(real_redis, redis_server.url, RUN, [dead])
+    # Three operators at once: one requeue, one job, which waits for the feeder.
+    outcomes = await asyncio.gather(*(requeue(real_redis, RUN, [dead])
                                       for _ in range(3)))
     assert sorted(o.action for [o] in outcomes) == ["gone", "gone", "requeued"]
-    assert await real_redis.zcard(queue_name(RUN)) == 1
+    assert await real_redis.zcard(queue_name(RUN)) == 0
+    assert await real_redis.lrange(readmit_key(RUN, 0), 0, -1) == [dead.group_id.encode()]
     assert await in_flight(real_redis) == 1
+    assert await readmit_once(redis_server.url, real_redis) == 1
+    assert await real_redis.zcard(queue_name(RUN)) == 1
+    assert await real_redis.llen(readmit_key(RUN, 0)) == 0
 
     fixed = FlakyEnv(lambda index, call: None)
     await drain(worker(redis_server.url, fixed, FakeVLLM(), run=RUN))
@@ -318,7 +348,7 @@ async def test_requeue_a_rollout_failure_runs_the_job_again(
 
     # Someone who listed the letter before it was requeued confirms only now: its job,
     # finished meanwhile, must not run again.
-    [late] = await requeue(real_redis, redis_server.url, RUN, [dead])
+    [late] = await requeue(real_redis, RUN, [dead])
     assert late.action == "gone"
     assert await real_redis.zcard(queue_name(RUN)) == 0
     assert sum(fixed.calls.values()) == 1
@@ -331,7 +361,7 @@ async def test_requeue_twice_at_once_requeues_once(
     await scorer_pass(redis_server.url, tmp_path / "gold.yaml")
     dead = await letters(real_redis, RUN)
     traj_before = await real_redis.xlen(stream_key(RUN, 0, "traj"))
-    outcomes = await asyncio.gather(*(requeue(real_redis, redis_server.url, RUN, dead)
+    outcomes = await asyncio.gather(*(requeue(real_redis, RUN, dead)
                                       for _ in range(8)))
     assert sorted(o.action for [o] in outcomes) == ["gone"] * 7 + ["requeued"]
     assert await real_redis.xlen(stream_key(RUN, 0, "traj")) == traj_before + 1
@@ -356,7 +386,7 @@ async def test_a_requeued_copy_of_a_trained_group_is_not_trained_again(
     await reader.read()
     await reader.dead_letter(Delivery(traj, copy_id, encode(group), 1), "unexpected_error", "x")
     [dead] = await letters(real_redis, RUN)
-    [done] = await requeue(real_redis, redis_server.url, RUN, [dead])
+    [done] = await requeue(real_redis, RUN, [dead])
     assert done.action == "requeued"
     await scorer_pass(redis_server.url, tmp_path / "plain.yaml")
     assert (await counters(real_redis))["scored"] == 2  # the copy reached the scored stream
@@ -378,12 +408,12 @@ async def test_letters_that_must_not_be_requeued_are_skipped(
         await put_letter(real_redis, at_ms=now_ms - 2, source="dead"),  # not traj/scored
     ]
     chosen = [item for entry_id in ids for item in await find(real_redis, RUN, entry_id)]
-    outcomes = await requeue(real_redis, redis_server.url, RUN, chosen)
+    outcomes = await requeue(real_redis, RUN, chosen)
     assert [o.action for o in outcomes] == ["skipped", "skipped"]
     assert "dedup window" in outcomes[0].detail
     assert "not this partition's traj or scored stream" in outcomes[1].detail
     assert len(await letters(real_redis, RUN)) == 2
-    [forced, _] = await requeue(real_redis, redis_server.url, RUN, chosen, dedup_window_s=None)
+    [forced, _] = await requeue(real_redis, RUN, chosen, dedup_window_s=None)
     assert forced.action == "requeued"
 
 

@@ -1,0 +1,140 @@
+"""The run-level circuit breaker: stop admitting jobs that can only fail.
+
+A misconfiguration (a ``--model`` the server does not serve, a wrong inference port) makes
+every rollout job fail the same way. Each failure frees its admission slot, so without a
+breaker the feeder admits the next job at once and burns the dataset into dead letters.
+
+The workers keep a *failure streak* in the run's state hash: a job dead-lettered for one of
+``STREAK_REASONS`` extends the streak when the reason is the streak's, or starts a new one;
+a published group (or a dead letter for any other reason) ends it. The feeder *trips* the
+breaker when the streak reaches its threshold: it records the reason, the last detail and
+the time in the state hash and admits nothing until someone *resumes* the run
+(``rollq runs resume RUN``), which clears the breaker and the streak. The threshold is at
+most the admission budget, so at most the streak plus the jobs in flight at the trip — no
+more than twice the budget — end as dead letters.
+
+Everything is one Lua call per verb on the state hash (one key: any Redis, Cluster too).
+It lives in the leaf package because the workers write it, the feeder trips it, and every
+role (the trainer SDK included) reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from schemas.errors import translated_errors
+from schemas.failures import CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT
+from schemas.keys import state_key
+
+STREAK_REASONS = frozenset({CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT})
+"""Dead-letter reasons that point at the run's configuration (the model, the servers),
+not at one item: only these build a streak."""
+STREAK_FIELD = "failure_streak"
+STREAK_REASON_FIELD = "failure_streak_reason"
+STREAK_DETAIL_FIELD = "failure_streak_detail"
+TRIPPED_FIELD = "breaker_tripped_at"
+TRIPPED_REASON_FIELD = "breaker_reason"
+TRIPPED_DETAIL_FIELD = "breaker_detail"
+TRIPPED_STREAK_FIELD = "breaker_streak"
+
+# KEYS[1] state; ARGV[1] reason, ARGV[2] detail, ARGV[3] 1 when the reason builds a streak.
+_FAILED = """
+if ARGV[3] ~= '1' then
+  redis.call('HSET', KEYS[1], 'failure_streak', 0)
+  return 0
+end
+if redis.call('HGET', KEYS[1], 'failure_streak_reason') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'failure_streak_detail', ARGV[2])
+  return redis.call('HINCRBY', KEYS[1], 'failure_streak', 1)
+end
+redis.call('HSET', KEYS[1], 'failure_streak', 1, 'failure_streak_reason', ARGV[1],
+           'failure_streak_detail', ARGV[2])
+return 1
+"""
+# KEYS[1] state. A success ends the streak; one HGET when there is none (the common case).
+_SUCCEEDED = """
+local streak = redis.call('HGET', KEYS[1], 'failure_streak')
+if streak and streak ~= '0' then redis.call('HSET', KEYS[1], 'failure_streak', 0) end
+return 0
+"""
+# KEYS[1] state; ARGV[1] threshold, ARGV[2] now. Returns 1 when the breaker is (now) open.
+_TRIP = """
+if redis.call('HEXISTS', KEYS[1], 'breaker_tripped_at') == 1 then return 1 end
+local streak = tonumber(redis.call('HGET', KEYS[1], 'failure_streak') or '0')
+if streak < tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'breaker_tripped_at', ARGV[2],
+           'breaker_reason', redis.call('HGET', KEYS[1], 'failure_streak_reason'),
+           'breaker_detail', redis.call('HGET', KEYS[1], 'failure_streak_detail') or '',
+           'breaker_streak', streak)
+return 1
+"""
+RESUME_COMMAND = "rollq runs resume {run}"
+"""What a user runs to admit jobs again once the cause is fixed (``{run}``: the run)."""
+
+
+@dataclass(frozen=True)
+class Tripped:
+    """An open breaker: why the feeder stopped admitting."""
+
+    reason: str
+    """The dead-letter reason every job of the streak ended with."""
+    detail: str
+    """The last of those jobs' detail (e.g. the server's answer)."""
+    streak: int
+    """Consecutive jobs that failed so when it tripped."""
+    at: float
+    """When it tripped, in Unix seconds."""
+
+    def explain(self, run: str) -> str:
+        """One line: why admission stopped, and how to resume."""
+        return (f"admission stopped: the last {self.streak} rollout jobs of run {run!r} all "
+                f"failed with {self.reason} ({self.detail[:300]}); fix the cause, then run "
+                f"`{RESUME_COMMAND.format(run=run)}`")
+
+
+async def record_failure(redis: aioredis.Redis, run: str, reason: str, detail: str) -> int:
+    """Count a dead-lettered rollout job; returns the streak it is part of (0: none)."""
+    async with translated_errors("recording a failure streak"):
+        return int(await redis.eval(_FAILED, 1, state_key(run), reason, detail[:2000],
+                                    "1" if reason in STREAK_REASONS else "0"))
+
+
+async def record_success(redis: aioredis.Redis, run: str) -> None:
+    """A published group ends any failure streak."""
+    async with translated_errors("ending a failure streak"):
+        await redis.eval(_SUCCEEDED, 1, state_key(run))
+
+
+async def trip(redis: aioredis.Redis, run: str, threshold: int) -> Tripped | None:
+    """Open the breaker when the streak reached ``threshold``; the open breaker (tripped now
+    or before) or None."""
+    async with translated_errors("checking the circuit breaker"):
+        opened = await redis.eval(_TRIP, 1, state_key(run), threshold, repr(time.time()))
+    return await read(redis, run) if opened else None
+
+
+async def read(redis: aioredis.Redis, run: str) -> Tripped | None:
+    """The open breaker of ``run``, or None."""
+    async with translated_errors("reading the circuit breaker"):
+        values = await redis.hmget(state_key(run), TRIPPED_FIELD, TRIPPED_REASON_FIELD,
+                                   TRIPPED_DETAIL_FIELD, TRIPPED_STREAK_FIELD)
+    at, reason, detail, streak = values
+    if at is None:
+        return None
+    return Tripped(reason=(reason or b"").decode(), detail=(detail or b"").decode(),
+                   streak=int(streak or 0), at=float(at))
+
+
+async def resume(redis: aioredis.Redis, run: str) -> Tripped | None:
+    """Close the breaker and forget the streak; returns the breaker that was open."""
+    was = await read(redis, run)
+    async with translated_errors("resuming the run"):
+        pipe = redis.pipeline(transaction=True)
+        pipe.hdel(state_key(run), TRIPPED_FIELD, TRIPPED_REASON_FIELD, TRIPPED_DETAIL_FIELD,
+                  TRIPPED_STREAK_FIELD)
+        pipe.hset(state_key(run), STREAK_FIELD, 0)
+        await pipe.execute()
+    return was
