@@ -43,6 +43,7 @@ from producers.envs.base import Env
 from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
+from producers.inference.served import check_served
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout, requeue_rollout
 from schemas import BrokerUnavailable
@@ -256,6 +257,9 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     probe = open_redis(settings, socket_connect_timeout=2)
     try:
         await _ping(probe)  # at start-up Redis must answer at once (exit 69 otherwise)
+        if not await _inference_checked(settings, stopping, transport):
+            log.info("workers_stopped", jobs_complete=0, jobs_retried=0)
+            return
         async with LoopLagMonitor("workers") as lag, serve_metrics(
                 settings, "workers", lag,
                 worker_metrics(worker, settings.concurrency, settings.inference)):
@@ -287,6 +291,29 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                 raise
             # else: a job task the shutdown cancelled; arq puts the job back in the queue
         await probe.aclose()
+
+
+async def _inference_checked(settings: WorkerSettings, stopping: asyncio.Event,
+                             transport: object) -> bool:
+    """Check that the servers serve ``--model`` before any job is taken
+    (``producers.inference.served``: ``ConfigError``, exit 78, when not); False when a stop
+    signal came while the check waited for a server to answer."""
+    checking = asyncio.create_task(check_served(
+        settings.inference, settings.model or None,
+        transport=transport))  # type: ignore[arg-type]  # an httpx transport, from tests
+    stopped = asyncio.create_task(stopping.wait())
+    try:
+        await asyncio.wait({checking, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not checking.done():
+            checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checking
+    if checking.cancelled():
+        return False
+    checking.result()  # raises the check's ConfigError
+    return True
 
 
 def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals) -> None:
