@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -53,10 +53,10 @@ from schemas import (
     trajectory_ref,
 )
 from schemas.keys import (
-    readmit_key,
     DROP_PREFIX,
     PARTITIONS_FIELD,
     counters_key,
+    readmit_key,
     state_key,
     stream_key,
 )

@@ -39,6 +39,8 @@ from ops.settings import (
     ScorerSettings,
     WorkerSettings,
 )
+from ops.status import known_runs
+from ops.watchdog import RunWatchdog, watching
 from producers.envs.base import Env
 from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
@@ -104,6 +106,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
     config = load_reward_config(settings.reward_config, processes=settings.processes)
     redis = open_redis(settings)
     try:
+        existed = settings.run in await known_runs(redis)
         partitions = await _partitions(redis, settings.run, settings.partitions)
         reader = StreamReader(redis, stream_keys(settings.run, partitions, "traj"), "scorers",
                               consumer_name(settings, "scorer"),
@@ -140,7 +143,9 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                     await housekeeping(redis, settings, partitions, reader.consumer)
 
             async with LoopLagMonitor("scorer") as lag, serve_metrics(
-                    settings, "scorer", lag, stage_metrics(stage)):
+                    settings, "scorer", lag, stage_metrics(stage)), watching(RunWatchdog(
+                        redis, settings.run, "scorer", stall_s=settings.stall_warning_s,
+                        existed=existed)):
                 while not stop.is_set():
                     outages = rider.outages
                     await rider.call(step)
@@ -257,12 +262,15 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     probe = open_redis(settings, socket_connect_timeout=2)
     try:
         await _ping(probe)  # at start-up Redis must answer at once (exit 69 otherwise)
+        existed = settings.run in await known_runs(probe)
         if not await _inference_checked(settings, stopping, transport):
             log.info("workers_stopped", jobs_complete=0, jobs_retried=0)
             return
         async with LoopLagMonitor("workers") as lag, serve_metrics(
                 settings, "workers", lag,
-                worker_metrics(worker, settings.concurrency, settings.inference)):
+                worker_metrics(worker, settings.concurrency, settings.inference)), watching(
+                    RunWatchdog(probe, settings.run, "workers",
+                                stall_s=settings.stall_warning_s, existed=existed)):
             while True:
                 try:
                     await worker.async_run()
@@ -353,7 +361,9 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
                         trip_after=settings.breaker_failures)
         startup_done()
         async with LoopLagMonitor("feeder") as lag, serve_metrics(
-                settings, "feeder", lag, feeder_metrics(feeder)):
+                settings, "feeder", lag, feeder_metrics(feeder)), watching(RunWatchdog(
+                    redis, settings.run, "feeder", stall_s=settings.stall_warning_s,
+                    feeder=feeder)):
             await feeder.run_until(stop, settings.poll_s, rider)
     finally:
         await queue.aclose()

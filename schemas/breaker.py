@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -112,15 +113,15 @@ async def trip(redis: aioredis.Redis, run: str, threshold: int) -> Tripped | Non
     """Open the breaker when the streak reached ``threshold``; the open breaker (tripped now
     or before) or None."""
     async with translated_errors("checking the circuit breaker"):
-        opened = await redis.eval(_TRIP, 1, state_key(run), threshold, repr(time.time()))
+        opened = await redis.eval(_TRIP, 1, state_key(run), str(threshold), repr(time.time()))
     return await read(redis, run) if opened else None
 
 
 async def read(redis: aioredis.Redis, run: str) -> Tripped | None:
     """The open breaker of ``run``, or None."""
     async with translated_errors("reading the circuit breaker"):
-        values = await redis.hmget(state_key(run), TRIPPED_FIELD, TRIPPED_REASON_FIELD,
-                                   TRIPPED_DETAIL_FIELD, TRIPPED_STREAK_FIELD)
+        values = await redis.hmget(state_key(run), [TRIPPED_FIELD, TRIPPED_REASON_FIELD,
+                                                    TRIPPED_DETAIL_FIELD, TRIPPED_STREAK_FIELD])
     at, reason, detail, streak = values
     if at is None:
         return None
@@ -135,6 +136,27 @@ async def resume(redis: aioredis.Redis, run: str) -> Tripped | None:
         pipe = redis.pipeline(transaction=True)
         pipe.hdel(state_key(run), TRIPPED_FIELD, TRIPPED_REASON_FIELD, TRIPPED_DETAIL_FIELD,
                   TRIPPED_STREAK_FIELD)
-        pipe.hset(state_key(run), STREAK_FIELD, 0)
+        pipe.hset(state_key(run), STREAK_FIELD, "0")
         await pipe.execute()
     return was
+
+
+class Notice:
+    """Logs an open breaker ONE time per trip, at ERROR, for a role that did not trip it
+    (workers, scorers, trainers: the feeder logs its own trip)."""
+
+    def __init__(self, run: str, role: str, log: Any) -> None:
+        self.run = run
+        self.role = role
+        self.log = log
+        self._seen: float | None = None
+
+    async def check(self, redis: aioredis.Redis) -> Tripped | None:
+        """Read the breaker; log it when it tripped since the last check."""
+        tripped = await read(redis, self.run)
+        if tripped is not None and tripped.at != self._seen:
+            self.log.error("admission_stopped", run=self.run, role=self.role,
+                           reason=tripped.reason, streak=tripped.streak,
+                           message=tripped.explain(self.run))
+        self._seen = None if tripped is None else tripped.at
+        return tripped

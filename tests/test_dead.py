@@ -37,8 +37,8 @@ from ops.roles import run_scorer
 from ops.settings import ScorerSettings
 from ops.status import collect_status, render_status
 from producers.admission import outstanding
-from producers.publisher import Publisher
 from producers.feeder import Feeder, FeedPlan
+from producers.publisher import Publisher
 from producers.worker import (
     connect_queue,
     enqueue_rollout,

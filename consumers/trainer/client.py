@@ -78,6 +78,7 @@ from consumers.trainer.settings import TrainerClientSettings
 from consumers.trainer.sizing import BatchSize
 from consumers.trainer.staleness import is_stale
 from consumers.trainer.stats import TrainerStats
+from consumers.trainer.waiting import WaitReporter
 from consumers.trainer.weights import PolicyPublisher, SyncReport
 from schemas import BrokerUnavailable, DecodeError
 from schemas.columns import ScoredColumns
@@ -144,6 +145,7 @@ class TrainerClient:
             lambda size, prefetch: self._next_batch(size, None, prefetch=prefetch),
             run=self.run, name=f"rollq-prefetch-{self.consumer}")
         self._lock = asyncio.Lock()  # one next_batch (or load_state) at a time
+        self._waits = WaitReporter(redis, self.run, self.settings.wait_log_s)
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions, created = await self._ledger.register(self.settings.partitions)
@@ -216,7 +218,7 @@ class TrainerClient:
         size = BatchSize.of(groups, sequences, max_tokens, self.settings.batch_groups)
         started = time.monotonic()
         deadline = None if timeout_s is None else started + timeout_s
-        async with self._lock:
+        async with self._lock, self._waits.waiting(size.groups, lambda: len(self._books.queue)):
             ready: PreparedBatch | None = None
             while True:
                 try:

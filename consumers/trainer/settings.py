@@ -102,6 +102,9 @@ class TrainerClientSettings:
     same log lines), and any other error is raised by that call.
 
     False: every call does all its work while the caller waits."""
+    wait_log_s: float = 30.0
+    """While one ``next_batch`` waits longer than this (seconds), it logs
+    ``trainer_waiting`` every ``wait_log_s`` (``consumers.trainer.waiting``)."""
     log_max_len: int = 1_000_000
     """Entries kept in each consumer's trained log, one per acked batch (approximate cap).
     Must exceed the batches acked between two checkpoints, or resuming from the older one
@@ -123,6 +126,8 @@ class TrainerClientSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.wait_log_s <= 0:
+            raise ValueError(f"wait_log_s must be above 0, got {self.wait_log_s}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be at least 1 or None, got {self.vocab_size}")
         if self.max_staleness is not None and self.max_staleness < 0:

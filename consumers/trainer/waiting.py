@@ -1,0 +1,84 @@
+"""What a trainer says while ``next_batch`` waits for data.
+
+A trainer that waits in silence looks like a hang: a stopped feeder, a run name with a typo,
+every group dropped as zero-variance, an admission budget smaller than the trainer's batch.
+So while one ``next_batch`` call waits longer than ``wait_log_s``, ``WaitReporter`` logs
+``trainer_waiting`` (INFO) every ``wait_log_s`` with what it holds and wants, and records in
+the run's state hash how many groups the trainer waits for (``TRAINER_WAITING_FIELD``), so
+the feeder can name a ``--batch-groups`` mismatch (``ops.watchdog``). The field is removed
+when the batch is handed out. An open circuit breaker (``schemas.breaker``) is logged once,
+at ERROR: the trainer waits in vain until the run is resumed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import redis.asyncio as aioredis
+import structlog
+
+from schemas import BrokerUnavailable, breaker
+from schemas.errors import translated_errors
+from schemas.keys import state_key
+
+log = structlog.get_logger("rollq.trainer")
+
+TRAINER_WAITING_FIELD = "trainer_waiting_groups"
+"""State-hash field: groups the run's trainer has waited for longer than ``wait_log_s``
+(absent: no trainer waits)."""
+
+
+class WaitReporter:
+    """Logs one trainer's long waits; one instance per ``TrainerClient``."""
+
+    def __init__(self, redis: aioredis.Redis, run: str, every_s: float) -> None:
+        self.redis = redis
+        self.run = run
+        self.every_s = every_s
+        self._breaker = breaker.Notice(run, "trainer", log)
+        self._marked = False  # the state hash says this trainer waits
+
+    @contextlib.asynccontextmanager
+    async def waiting(self, wanted: int | None, held: Callable[[], int]) -> AsyncIterator[None]:
+        """Report while the block runs longer than ``every_s``; ``wanted``: the batch's group
+        count (None: sized by sequences or tokens), ``held``: groups queued for it now."""
+        task = asyncio.create_task(self._report(wanted, held), name="rollq-trainer-waiting")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if self._marked:
+                await self._recorded(None)
+
+    async def _report(self, wanted: int | None, held: Callable[[], int]) -> None:
+        started = time.monotonic()
+        while True:
+            await asyncio.sleep(self.every_s)
+            log.info("trainer_waiting", run=self.run, waited_s=round(time.monotonic() - started),
+                     groups_wanted=wanted, groups_held=held())
+            if wanted is not None:
+                await self._recorded(wanted)
+            await self._check_breaker()
+
+    async def _recorded(self, wanted: int | None) -> None:
+        """Record (or, with None, clear) the groups this trainer waits for; best effort: a
+        Redis outage is the outage rider's to report, not this log's."""
+        try:
+            async with translated_errors("recording the trainer's wait"):
+                if wanted is None:
+                    await self.redis.hdel(state_key(self.run), TRAINER_WAITING_FIELD)
+                else:
+                    await self.redis.hset(state_key(self.run), TRAINER_WAITING_FIELD,
+                                          str(wanted))
+            self._marked = wanted is not None
+        except BrokerUnavailable as exc:
+            log.debug("trainer_wait_not_recorded", run=self.run, error=str(exc))
+
+    async def _check_breaker(self) -> None:
+        with contextlib.suppress(BrokerUnavailable):
+            await self._breaker.check(self.redis)
