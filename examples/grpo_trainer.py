@@ -26,15 +26,24 @@ one answer. ``--torch-threads 1`` leaves the other cores to a CPU vLLM server be
 
 Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU elsewhere
 (``--device cuda``).
+
+SIGINT (Ctrl-C) or SIGTERM: a step in progress finishes (trained, weights synced, acked),
+then the trainer saves a checkpoint and exits with one line (status 130 after SIGINT, 0
+after SIGTERM); while it waits for data or starts up, it stops at once. A second signal
+stops at once in any case. Nothing is lost either way: an unacked batch stays pending and
+comes back to ``--resume``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from --out/checkpoint.pt")
     parser.add_argument("--metrics", help="JSONL file: one line per step")
     parser.add_argument("--consumer", default="trainer-0")
+    parser.add_argument("--wait-log-s", type=float, default=30.0,
+                        help="while waiting for data, log trainer_waiting every S seconds [30]")
     parser.add_argument("--metrics-port", type=int,
                         default=int(os.environ["ROLLQ_METRICS_PORT"])
                         if os.environ.get("ROLLQ_METRICS_PORT") else None,
@@ -179,10 +190,90 @@ def sync_weights(client: SyncTrainerClient, step: int, model: Any, weights_dir: 
         publish(client, step, model, args.sync_give_up_s)
 
 
+class Stopped(Exception):
+    """A stop signal came while nothing needed finishing (waiting for data, starting)."""
+
+
+class StopSignals:
+    """SIGINT/SIGTERM: finish the step in hand, then stop; stop at once outside a step or
+    on a second signal (module docstring)."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._busy = False
+        self.mid_step = False
+        """A second signal stopped a step that had not finished."""
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        first = self.received is None
+        self.received = signal.Signals(signum)
+        if not self._busy or not first:
+            self.mid_step = self._busy
+            raise Stopped(self.received.name)
+
+    @contextlib.contextmanager
+    def finishing(self) -> Iterator[None]:
+        """A block that a first signal lets finish."""
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    @property
+    def exit_code(self) -> int:
+        return 130 if self.received == signal.SIGINT else 0
+
+
+def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
+             args: argparse.Namespace) -> dict[str, Any]:
+    """One optimizer step on ``batch`` (the ``step``-th); its metrics record."""
+    data = batch.targets()
+    tensors = {name: torch.as_tensor(value, device=args.device) for name, value in {
+        "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+        "labels": data.labels, "mask": data.loss_mask,
+        "advantages": data.advantages, "sampler_logprobs": data.sampler_logprobs,
+    }.items()}
+    if args.flip_advantages:
+        tensors["advantages"] = -tensors["advantages"]
+    logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
+                              tensors["labels"])
+    loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
+                            tensors["advantages"], tensors["mask"], args.clip)
+    if reference is not None:
+        with torch.no_grad():
+            reference_logprobs = token_logprobs(
+                reference, tensors["input_ids"], tensors["attention_mask"],
+                tensors["labels"])
+        kl = kl_penalty(logprobs, reference_logprobs, tensors["mask"])
+        loss = loss + args.kl_coef * kl
+        stats["kl"] = float(kl.detach())
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return {
+        "step": step, "loss": float(loss.detach()), "reward_mean": float(batch.rewards.mean()),
+        "tokens": int(batch.loss_mask.sum()), "groups": len(batch.groups),
+        "staleness": step - 1 - min(g.policy_version for g in batch.groups),
+        "group_ids": batch.group_ids, "components": component_means(batch.groups), **stats,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop = StopSignals()
+    stop.install()
     try:
-        return train(args)
+        return train(args, stop)
+    except Stopped:
+        print(f"grpo_trainer: stopped by {stop.received.name if stop.received else 'a signal'}"
+              " before the first step; nothing to save", file=sys.stderr, flush=True)
+        return stop.exit_code
     except WeightSyncError as exc:
         print(f"grpo_trainer: {exc}; is vLLM up at {args.inference}?", file=sys.stderr)
         return 69
@@ -191,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return 69
 
 
-def train(args: argparse.Namespace) -> int:
+def train(args: argparse.Namespace, stop: StopSignals) -> int:
     torch.manual_seed(args.seed)
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -209,7 +300,8 @@ def train(args: argparse.Namespace) -> int:
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
                                      max_staleness=args.max_staleness, inference_urls=urls,
-                                     weight_sync=args.weight_sync, transfer_backend=backend)
+                                     weight_sync=args.weight_sync, transfer_backend=backend,
+                                     wait_log_s=args.wait_log_s)
     metrics = open(args.metrics, "a") if args.metrics else None
     with SyncTrainerClient(args.redis_url, run=args.run, consumer=args.consumer,
                            settings=settings) as client:
@@ -231,54 +323,43 @@ def train(args: argparse.Namespace) -> int:
         # everything else that lives as long as this process (schemas.heap: ~15 % of the
         # SDK's CPU a group at 16 x 2048).
         freeze_heap()
-        while step < args.steps:
-            started = time.monotonic()
-            batch = client.next_batch(groups=args.batch_groups)
-            data = batch.targets()
-            tensors = {name: torch.as_tensor(value, device=args.device) for name, value in {
-                "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                "labels": data.labels, "mask": data.loss_mask,
-                "advantages": data.advantages, "sampler_logprobs": data.sampler_logprobs,
-            }.items()}
-            if args.flip_advantages:
-                tensors["advantages"] = -tensors["advantages"]
-            logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
-                                      tensors["labels"])
-            loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
-                                    tensors["advantages"], tensors["mask"], args.clip)
-            if reference is not None:
-                with torch.no_grad():
-                    reference_logprobs = token_logprobs(
-                        reference, tensors["input_ids"], tensors["attention_mask"],
-                        tensors["labels"])
-                kl = kl_penalty(logprobs, reference_logprobs, tensors["mask"])
-                loss = loss + args.kl_coef * kl
-                stats["kl"] = float(kl.detach())
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            sync_weights(client, step, model, weights_dir, args)
-            batch.ack()
-            if step % args.checkpoint_every == 0 or step == args.steps:
-                save_checkpoint(checkpoint, model, optimizer, step, client.state())
-            record = {
-                "step": step, "loss": float(loss), "reward_mean": float(batch.rewards.mean()),
-                "tokens": int(batch.loss_mask.sum()), "groups": len(batch.groups),
-                "staleness": step - 1 - min(g.policy_version for g in batch.groups),
-                "seconds": time.monotonic() - started, "time": time.time(),
-                "group_ids": batch.group_ids, "components": component_means(batch.groups),
-                **stats, **sync_record(client),
-            }
-            if metrics is not None:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            print(f"step {step} reward {record['reward_mean']:.3f} loss {record['loss']:+.4f} "
-                  f"ratio {stats['ratio_mean']:.4f}", flush=True)
+        saved_step = step
+        try:
+            while step < args.steps and stop.received is None:
+                started = time.monotonic()
+                batch = client.next_batch(groups=args.batch_groups)  # a signal: Stopped
+                with stop.finishing():  # a first signal lets the step finish
+                    record = train_on(batch, step + 1, model, reference, optimizer, args)
+                    sync_weights(client, step + 1, model, weights_dir, args)
+                    batch.ack()
+                    step += 1  # done: only now may a stop save it
+                    if step % args.checkpoint_every == 0 or step == args.steps:
+                        save_checkpoint(checkpoint, model, optimizer, step, client.state())
+                        saved_step = step
+                    record |= {"seconds": time.monotonic() - started, "time": time.time(),
+                               **sync_record(client)}
+                    if metrics is not None:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    print(f"step {step} reward {record['reward_mean']:.3f} loss "
+                          f"{record['loss']:+.4f} ratio {record['ratio_mean']:.4f}", flush=True)
+        except Stopped:
+            pass  # while it waited for data (the last step is done), or a second signal
+        if stop.received is not None:
+            if stop.mid_step:  # the model may hold an update whose batch is unacked
+                saved = (f", in step {step + 1}: not saved (its batch stays pending; --resume "
+                         "replays from the last checkpoint)")
+            elif step > saved_step:
+                with stop.finishing():
+                    save_checkpoint(checkpoint, model, optimizer, step, client.state())
+                saved = f"; checkpoint saved to {checkpoint} (continue with --resume)"
+            else:
+                saved = "; nothing new to save"
+            print(f"grpo_trainer: stopped by {stop.received.name} after step {step}{saved}",
+                  file=sys.stderr, flush=True)
     if metrics is not None:
         metrics.close()
-    return 0
+    return 0 if stop.received is None else stop.exit_code
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ def make_group(
     texts: list[str] | None = None,
     metadata: dict[str, object] | None = None,
     seed: int = 0,
+    vocab: int = 50_000,
 ) -> TrajectoryGroup:
     rng = np.random.default_rng(seed)
     completions = tuple(
         Completion(
-            completion_ids=rng.integers(0, 50_000, tokens, dtype=np.int32),
+            completion_ids=rng.integers(0, vocab, tokens, dtype=np.int32),
             logprobs=-rng.random(tokens, dtype=np.float32),
             loss_mask=np.ones(tokens, np.uint8),
             policy_version=policy_version,
@@ -37,7 +38,7 @@ def make_group(
         run=run,
         env="toy",
         policy_version=policy_version,
-        prompt_ids=rng.integers(0, 50_000, 5, dtype=np.int32),
+        prompt_ids=rng.integers(0, vocab, 5, dtype=np.int32),
         prompt_text="what is 1+1?",
         completions=completions,
         metadata=metadata or {"answer": "2"},

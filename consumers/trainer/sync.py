@@ -21,6 +21,8 @@ really runs while the caller's training step does, as long as the step releases 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
@@ -34,6 +36,15 @@ from consumers.trainer.client import TrainerClient
 from consumers.trainer.settings import TrainerClientSettings
 
 T = TypeVar("T")
+CANCEL_WAIT_S = 10.0
+"""Longest wait for an interrupted call to finish cancelling on the client's loop."""
+
+
+async def _cancelled(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has finished."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):  # its outcome is moot now
+        await task
 
 
 class SyncTrainerClient:
@@ -138,10 +149,34 @@ class SyncTrainerClient:
         return self._call(self.client.current_version())
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the client's loop and wait for it. Interrupted while waiting
+        (Ctrl-C's ``KeyboardInterrupt``, or whatever a signal handler raises), the call is
+        cancelled and awaited on the loop before the interruption goes on: left running,
+        it would read on while ``close`` shuts its connection (a false Redis outage in the
+        log) and die with the loop ("Task was destroyed but it is pending!")."""
         if self._loop is None:
             coro.close()
             raise RuntimeError("SyncTrainerClient used before open() / `with`")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        loop = self._loop
+        started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
+
+        async def tracked() -> T:
+            task = asyncio.current_task()
+            assert task is not None
+            started.set_result(task)
+            return await coro
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), loop)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                if started.done():
+                    asyncio.run_coroutine_threadsafe(_cancelled(started.result()),
+                                                     loop).result(timeout=CANCEL_WAIT_S)
+                else:  # not started yet: it never will
+                    future.cancel()
+            raise
 
     def _stop_loop(self) -> None:
         loop, thread = self._loop, self._thread

@@ -1,0 +1,94 @@
+"""The example trainer stops cleanly on SIGINT/SIGTERM (issue 32, item 8): one line, exit
+130 or 0, a checkpoint when a step was done since the last one, no false Redis outage, no
+"Task was destroyed", no per-step tensor warning; it logs while it waits for data. A real
+subprocess of examples/grpo_trainer.py on a tiny model and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.factories import make_group
+from tests.redis_server import RedisServer
+from tests.trainer.helpers import RUN, publish_scored
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = ROOT / "examples" / "grpo_trainer.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ops.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+async def start(redis_url: str, model: Path, out: Path) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, str(TRAINER), "--redis-url", redis_url, "--run", RUN,
+        "--model", str(model), "--out", str(out), "--steps", "50", "--batch-groups", "1",
+        "--checkpoint-every", "1000", "--wait-log-s", "0.5", "--torch-threads", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})  # this tree's packages
+
+
+async def read_until(stream: asyncio.StreamReader, marker: bytes) -> bytes:
+    seen = b""
+    while marker not in seen:
+        line = await asyncio.wait_for(stream.readline(), 120)
+        assert line, f"the trainer ended before {marker!r}: {seen.decode()[-2000:]}"
+        seen += line
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+async def test_a_stop_while_waiting_for_data_saves_the_steps_done_and_says_one_line(
+        sig: signal.Signals, code: int, real_redis: aioredis.Redis, redis_server: RedisServer,
+        tiny_model: Path, tmp_path: Path) -> None:
+    for seed in range(2):
+        await publish_scored(real_redis, make_group(run=RUN, seed=seed, vocab=700))
+    process = await start(redis_server.url, tiny_model, tmp_path / "out")
+    assert process.stdout is not None and process.stderr is not None
+    before = await read_until(process.stdout, b"step 2 ")
+    before += await read_until(process.stdout, b"trainer_waiting")  # it says it waits
+    process.send_signal(sig)
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    output = (before + out).decode() + err.decode()
+    assert process.returncode == code, output[-3000:]
+    lines = [line for line in err.decode().splitlines() if "grpo_trainer" in line]
+    assert lines == [(f"grpo_trainer: stopped by {sig.name} after step 2; checkpoint "
+                         f"saved to {tmp_path / 'out' / 'checkpoint.pt'} (continue with "
+                         "--resume)")]
+    for bad in ("Traceback", "redis_outage_started", "Task was destroyed",
+                "requires_grad"):
+        assert bad not in output, output[-3000:]
+    import torch
+
+    saved = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)
+    assert saved["step"] == 2
+
+
+@pytest.mark.timeout(300)
+async def test_a_stop_before_any_data_is_one_line_and_nothing_saved(
+        real_redis: aioredis.Redis, redis_server: RedisServer, tiny_model: Path,
+        tmp_path: Path) -> None:
+    process = await start(redis_server.url, tiny_model, tmp_path / "out")
+    assert process.stdout is not None
+    await read_until(process.stdout, b"trainer_waiting")
+    process.send_signal(signal.SIGINT)
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode == 130, (out + err).decode()[-3000:]
+    assert [line for line in err.decode().splitlines() if "grpo_trainer" in line] == [
+        "grpo_trainer: stopped by SIGINT after step 0; nothing new to save"]
+    assert "Traceback" not in err.decode()
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
