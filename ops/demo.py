@@ -315,7 +315,7 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
     processes.start("feeder", [
         python, "-m", "ops.cli", "feed", "--env", task_env, "--epochs", "100000",
         "--max-staleness", str(options.max_staleness),
-        "--batch-groups", str(options.batch_groups)], env)
+        "--batch-groups", str(options.batch_groups), "--shuffle-seed", str(options.seed)], env)
 
 
 def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,

@@ -40,7 +40,9 @@ class Exit(IntEnum):
 Handler = Callable[[argparse.Namespace, Mapping[str, str]], Coroutine[Any, Any, int]]
 
 
-def add_common_flags(parser: argparse.ArgumentParser) -> None:
+def add_common_flags(parser: argparse.ArgumentParser, *, metrics: bool = False) -> None:
+    """The flags every command shares; ``metrics``: also ``--metrics-port``, for the
+    long-running roles only (a one-shot command would have nothing to serve)."""
     parser.add_argument("--config", type=Path, help="YAML config file (see README: Settings)")
     parser.add_argument("--redis-url", help="Redis URL [ROLLQ_REDIS_URL, default "
                         "redis://127.0.0.1:6379/0]")
@@ -50,8 +52,10 @@ def add_common_flags(parser: argparse.ArgumentParser) -> None:
                         "JSON unless stderr is a terminal]")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                         help="[ROLLQ_LOG_LEVEL, info]; debug also prints tracebacks")
+    if not metrics:
+        return
     parser.add_argument("--metrics-port", type=int, metavar="PORT",
-                        help="long-running roles serve Prometheus /metrics here "
+                        help="serve Prometheus /metrics here "
                         "[ROLLQ_METRICS_PORT, off; 0: any free port]; the 'metrics' extra "
                         "(gateway and atropos-api: on their own --port instead)")
 

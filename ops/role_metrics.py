@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Response
 
+from consumers.trainer import SyncTrainerClient
 from producers.inference import InferencePool
 from producers.worker import DEAD_LETTERED, OUTCOMES, PUBLISHED
 from schemas import ConfigError
@@ -165,13 +166,17 @@ def trainer_metrics(client: TrainerClient) -> Register:
     return register
 
 
-def serve_trainer_metrics(client: TrainerClient, port: int, *, redis_url: str | None = None,
+def serve_trainer_metrics(client: TrainerClient | SyncTrainerClient, port: int, *,
+                          redis_url: str | None = None,
                           redis_options: dict[str, Any] | None = None,
                           host: str = "0.0.0.0") -> tuple[RoleMetrics, int]:
     """Serve a trainer's ``/metrics`` (its own series, plus the run-wide ones when
     ``redis_url`` is given) from a background thread; returns the endpoint (``close()`` it)
-    and the port (``port=0``: a free one). For ``SyncTrainerClient`` pass its ``client``."""
+    and the port (``port=0``: a free one). ``client``: the async or the sync client."""
     from ops.metrics import RoleMetrics
+
+    if isinstance(client, SyncTrainerClient):
+        client = client.client
 
     metrics = RoleMetrics("trainer", run=client.run, redis_url=redis_url,
                           redis_options=redis_options)

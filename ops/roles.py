@@ -46,6 +46,7 @@ from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.inference.served import check_served
+from producers.order import record_seed
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout, requeue_rollout
 from schemas import BrokerUnavailable
@@ -344,6 +345,7 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
     queue = await connect_queue(queue_url(settings), queue_options(settings))
     try:
         await _partitions(redis, settings.run, settings.partitions)
+        await record_seed(redis, settings.run, settings.shuffle_seed)
         plan = FeedPlan(dataset_size=len(env), epochs=settings.epochs,
                         max_staleness=settings.max_staleness, batch_groups=settings.batch_groups)
 

@@ -247,6 +247,9 @@ class FeederSettings(CommonSettings):
     """Groups the trainer consumes per optimizer step."""
     poll_s: float = Field(default=0.2, gt=0)
     """How often the feeder re-checks its admission budget (seconds)."""
+    shuffle_seed: int | None = None
+    """Visit each epoch's items in a permutation drawn from this seed and the epoch
+    (``producers.order``); None: dataset order."""
     breaker_failures: int = Field(default=10, ge=0)
     """Consecutive rollout jobs dead-lettered with the same contract or inference reason
     after which the feeder stops admitting until ``rollq runs resume`` (capped at the first

@@ -152,26 +152,33 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
         accounting=Accounting(
             expected=outstanding(admitted, counters)[1], jobs=jobs, waiting=waiting,
             unscored=_not_done(streams, "traj", "scorers"),
-            unconsumed=_not_done(streams, "scored", TRAINER_GROUP)),
+            unconsumed=_not_done(streams, "scored", TRAINER_GROUP, any_group=True)),
         workers=workers,
         breaker=await breaker.read(redis, run),
     )
 
 
-def _not_done(streams: list[StreamStats], name: str, group: str) -> int | None:
+def _not_done(streams: list[StreamStats], name: str, group: str, *,
+              any_group: bool = False) -> int | None:
     """Entries of the run's ``name`` streams that ``group`` has not acked (pending + lag);
-    every entry when the group does not exist yet; None when Redis cannot tell the lag."""
+    every entry when the group does not exist yet; None when Redis cannot tell the lag.
+
+    ``any_group``: when ``group`` does not exist, the consumer groups that do stand in for
+    it, the one furthest behind counting: the trainers of an Atropos API run read the
+    scored stream as ``atropos`` (``--consumer-group``), not as ``trainer``. Furthest behind,
+    so that ``held`` only errs on the large side (``Accounting``)."""
     total = 0
     for stream in streams:
         if not stream.key.endswith(":" + name):
             continue
-        found = [g for g in stream.groups if g.name == group]
+        found = [g for g in stream.groups if g.name == group] or (
+            stream.groups if any_group else [])
         if not found:
             total += stream.length
-        elif found[0].lag is None:
+        elif any(g.lag is None for g in found):
             return None
         else:
-            total += found[0].pending + found[0].lag
+            total += max(g.pending + (g.lag or 0) for g in found)
     return total
 
 

@@ -280,3 +280,7 @@ class Feeder:
                 await asyncio.wait_for(stop.wait(), poll_s)
             except TimeoutError:
                 pass
+        state = self.last_state
+        log.info("feeder_stopped", admitted=self.admitted, readmitted=self.readmitted,
+                 cursor=None if state is None else state.cursor + self.last_budget,
+                 total=self.plan.total)

@@ -16,6 +16,7 @@ import structlog
 from producers.drawn import ItemLedger
 from producers.envs.base import DrawingEnv, Env, Item
 from producers.inference import InferencePool, SamplingParams
+from producers.order import item_index, read_seed
 from producers.publisher import Publisher
 from schemas import ContractError, TrajectoryGroup
 from schemas.errors import translated_errors
@@ -66,15 +67,18 @@ class RolloutRunner:
                 "--env and --env-option")
 
     async def run_job(self, group_id: str, position: int) -> str:
-        """Roll out dataset item ``position % len(env)`` and publish it; returns the entry id."""
+        """Roll out the dataset item of ``position`` (``producers.order``) and publish it;
+        returns the entry id."""
         started = time.time()
         version = await self.versions()
-        item = self.env.item(position % len(self.env))
         ledger = None
         if isinstance(self.env, DrawingEnv):  # a stateful source: the same item on a re-run
             ledger = ItemLedger(self.publisher.redis, self.run)
             fields, _drawn = await ledger.item(group_id, self.env.draw)
             item = Item(index=position, fields=fields)
+        else:
+            seed = await read_seed(self.publisher.redis, self.run)
+            item = self.env.item(item_index(position, len(self.env), seed))
         rollout = await self.env.rollout(
             item, self.pool, group_size=self.group_size, sampling=self.sampling,
             policy_version=self.versions,
