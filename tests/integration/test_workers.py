@@ -16,7 +16,7 @@ from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout, job_id
+from producers.worker import build_worker, connect_queue, enqueue_rollout, job_id, queue_name
 from schemas import decode_trajectory
 from schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
 from tests.integration.recording import RecordingTransport
@@ -164,3 +164,34 @@ async def test_feeder_paces_real_workers_by_the_published_version(
     groups = await traj_groups(real_redis)
     assert len(groups) == 4
     assert sorted(g.policy_version for g in groups) == [0, 0, 1, 1]  # stamped with the version
+
+
+async def test_workers_with_a_model_vllm_does_not_serve_exit_78_in_seconds(
+        real_redis: aioredis.Redis, redis_server: RedisServer, vllm_server: VllmProcess,
+) -> None:
+    """Issue 32, item 1, against the real server: no job is taken, nothing is dead-lettered,
+    and the line names what vLLM serves."""
+    queue = await connect_queue(redis_server.url)
+    await enqueue_rollout(queue, RUN, "gsm8k", 0)
+    await queue.aclose()
+    started = asyncio.get_running_loop().time()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ops.cli", "workers", "--redis-url", redis_server.url,
+        "--run", RUN, "--inference", vllm_server.url, "--model", "Qwen/Qwen3-8B",
+        stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 78, err.decode()[-2000:]
+    assert asyncio.get_running_loop().time() - started < 10
+    served = (await vllm_server_models(vllm_server))[0]
+    assert f"{vllm_server.url} serves {served}" in err.decode()
+    assert await real_redis.zcard(queue_name(RUN)) == 1
+    for name in ("traj", "dead"):
+        assert await real_redis.xlen(stream_key(RUN, 0, name)) == 0
+
+
+async def vllm_server_models(vllm: VllmProcess) -> list[str]:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        body = (await client.get(f"{vllm.url}/v1/models")).json()
+    return [entry["id"] for entry in body["data"]]
