@@ -12,7 +12,9 @@ ONE WARNING naming the first cause that fits, and nothing more until the run mov
 - ``admission_budget_exhausted`` (the feeder, which knows the budget): the budget is 0 and
   the trainer consumes nothing; when the trainer waits for more groups than can ever be
   outstanding (feed ``--batch-groups`` below the trainer's), it says so: a deadlock;
-- ``run_stalled``: anything else, with the numbers (admitted, queued streams, drops).
+- ``run_stalled``: anything else, with the numbers (admitted, queued streams, drops);
+- ``run_idle`` (INFO, not a warning): nothing is in flight, every admitted group was
+  consumed or dropped: the run has finished its epochs (or its feeder is not running).
 
 An open circuit breaker (``schemas.breaker``) is logged once per trip at ERROR by every role
 except the feeder, which logs its own trip. A Redis outage is the role's outage rider's to
@@ -32,6 +34,7 @@ import structlog
 
 from consumers.trainer.waiting import TRAINER_WAITING_FIELD
 from ops.status import known_runs
+from producers.admission import outstanding
 from producers.feeder import Feeder
 from schemas import BrokerUnavailable, breaker
 from schemas.errors import translated_errors
@@ -66,6 +69,8 @@ class Reading:
     """Entries of the scored streams."""
     trainer_waiting: int | None
     """Groups the trainer has been waiting for (None: it does not wait, or is not there)."""
+    in_flight: int
+    """Admitted groups not yet consumed or dropped (``producers.admission.outstanding``)."""
 
     @property
     def progress(self) -> int:
@@ -120,7 +125,8 @@ class RunWatchdog:
             drops={k[len(DROP_PREFIX):]: v for k, v in counters.items()
                    if k.startswith(DROP_PREFIX) and v},
             unscored=lengths["traj"], unconsumed=lengths["scored"],
-            trainer_waiting=int(waiting) if waiting is not None else None)
+            trainer_waiting=int(waiting) if waiting is not None else None,
+            in_flight=outstanding(int(state.get(ADMITTED_FIELD, "0")), counters)[1])
 
     async def check(self) -> None:
         """One look at the run: log the breaker or a stall cause when due."""
@@ -165,6 +171,13 @@ class RunWatchdog:
             if state.free(plan) == 0:
                 self._warn_budget(reading, quiet)
                 return "admission_budget_exhausted"
+        if reading.admitted and not reading.in_flight:
+            log.info("run_idle", run=self.run, role=self.role, quiet_s=quiet,
+                     admitted=reading.admitted, message=(
+                         f"nothing in flight for {quiet} s: every admitted group was "
+                         "consumed or dropped; the feeder has finished its epochs or is not "
+                         "running"))
+            return "run_idle"
         log.warning("run_stalled", run=self.run, role=self.role, quiet_s=quiet,
                     admitted=reading.admitted, scored=reading.scored,
                     consumed=reading.consumed, traj_entries=reading.unscored,

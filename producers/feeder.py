@@ -30,6 +30,12 @@ cursor never jumps a position nobody enqueued.
 A failing enqueue or commit (Redis away, or a write refused: OOM, READONLY during a
 failover) raises ``BrokerUnavailable``; the loop logs it and tries again with back-off
 (``OutageRider``) from the cursor, which has not moved past the failed position.
+
+Requeued jobs (``rollq dead requeue``) wait in the partitions' readmit lists; the budget
+does not count them in flight, and each admission check spends it on them first, ahead of
+new positions, so a requeue of hundreds of letters is paced like new work. The circuit
+breaker (``schemas.breaker``): with ``trip_after``, a check first trips the run's breaker
+when its failure streak calls for it, and admits nothing while it is open.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from consumers.trainer import TrainerClient, TrainerClientSettings
 from consumers.trainer.waiting import TRAINER_WAITING_FIELD
 from ops.roles import run_feeder, run_scorer, run_workers
 from ops.settings import FeederSettings, ScorerSettings, WorkerSettings
+from ops.watchdog import RunWatchdog
 from producers.publisher import Publisher
 from producers.worker import queue_name
 from schemas import breaker
@@ -152,3 +153,18 @@ async def _equals(value: Any, expected: int) -> bool:
 def test_wait_log_s_must_be_positive(wait_log_s: float) -> None:
     with pytest.raises(ValueError, match="wait_log_s"):
         TrainerClientSettings(wait_log_s=wait_log_s)
+
+
+async def test_a_finished_run_is_idle_not_stalled(real_redis: aioredis.Redis) -> None:
+    await Publisher(real_redis, "done").register()
+    await real_redis.hset(state_key("done"), "admitted", 3)
+    await real_redis.hincrby(counters_key("done", 0), CONSUMED_COUNTER, 2)
+    await real_redis.hincrby(counters_key("done", 0), "drop:zero_variance", 1)
+    watchdog = RunWatchdog(real_redis, "done", "workers", stall_s=0.1)
+    with capture_logs() as logs:
+        await watchdog.check()  # the first reading: progress so far
+        await asyncio.sleep(0.2)
+        await watchdog.check()
+        await watchdog.check()
+    assert watchdog.warned == "run_idle"
+    assert [(e["event"], e["log_level"]) for e in logs] == [("run_idle", "info")]

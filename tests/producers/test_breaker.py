@@ -5,7 +5,6 @@ streak of same-reason job failures, and requeued jobs go through admission like 
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
@@ -13,6 +12,7 @@ from structlog.testing import capture_logs
 from ops.dead import letters, requeue
 from ops.invocation import Exit
 from ops.runs import command as runs_command
+from ops.stack import free_port
 from ops.status import collect_status, render_status
 from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
@@ -36,12 +36,6 @@ BATCH, STALENESS = 4, 1
 BUDGET = (STALENESS + 1) * BATCH
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on: a broken ``--inference`` URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
 
 async def dead_count(redis: aioredis.Redis) -> int:
     return len(await letters(redis, RUN))
@@ -62,7 +56,7 @@ async def test_a_broken_inference_url_stops_admission_within_twice_the_budget(
     assert feeder.trip_after == BUDGET  # capped at the first budget
     pool = build_worker(
         redis_url=redis_server.url, run=RUN, env_factory=lambda: env,
-        inference_urls=[f"http://127.0.0.1:{closed_port()}"], model="m",
+        inference_urls=[f"http://127.0.0.1:{free_port()}"], model="m",
         sampling=SamplingParams(max_tokens=8), group_size=2, concurrency=BUDGET,
         job_timeout_s=30, max_tries=1, request_timeout_s=5, retry_base_s=0.01)
     stop = asyncio.Event()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 import time
 
@@ -14,6 +13,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from ops.stack import free_port
 from producers.inference.served import check_served, mismatch
 from producers.worker import connect_queue, enqueue_rollout, queue_name
 from schemas import ConfigError
@@ -24,11 +24,6 @@ from tests.redis_server import RedisServer
 
 RUN = "served"
 
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def start_workers(redis_url: str, inference: str, model: str) -> asyncio.subprocess.Process:
@@ -63,7 +58,7 @@ async def test_a_wrong_model_exits_78_in_seconds_having_taken_no_job(
 
 async def test_an_unreachable_server_is_waited_for_and_a_stop_ends_the_wait(
         redis_server: RedisServer) -> None:
-    url = f"http://127.0.0.1:{closed_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     process = await start_workers(redis_server.url, url, "m")
     assert process.stderr is not None
     warning = await asyncio.wait_for(process.stderr.readline(), 30)
