@@ -124,7 +124,7 @@ async def open_sessions(settings: GatewaySettings, upstream: Upstream, *,
                              batch_groups=settings.batch_groups),
             upstream=upstream, partitions=partitions,
             policy_version=PolicyVersionSource(client, settings.run),
-            session_ttl_s=settings.session_ttl_s, claim_ttl_s=settings.request_timeout_s,
+            session_ttl_s=settings.session_ttl_s, call_timeout_s=settings.request_timeout_s,
             tool_parser=settings.tool_parser, continuation_check=settings.continuation_check)
     finally:
         if redis is None:

@@ -5,14 +5,17 @@ over HTTP, for agents that run outside rollq's workers.
   prompt; ``{"group_id", "policy_version", "sessions": [{"session_id", "base_url"}]}``.
   A run without an admission slot answers **429** with ``Retry-After`` (seconds).
 - ``POST /sessions/<id>/v1/chat/completions``, ``…/v1/completions``, ``GET …/v1/models``:
-  the session's OpenAI base URL; an ``Idempotency-Key`` header makes a retried call
-  answer from the record.
+  the session's OpenAI base URL; an ``Idempotency-Key`` header (or ``Rollq-Call-Index``:
+  the call's position in the session, 0 first) makes a retried call answer from the
+  record.
 - ``POST /sessions/<id>/close`` (``CloseSession``): ``{"session_id", "group_id",
   "closed", "group_size", "entry_id", "dead_letter"}``; ``entry_id`` is the group's traj
   entry once its last session closed.
 
 Statuses: 400 a bad body or id, 404 a session that is not open (the message says whether
-its group was published or dead-lettered), 409 a call on a closed session, 429 no
+its group was published or dead-lettered), 409 a call on a closed session (or a
+``Rollq-Call-Index`` past the calls captured, or a retry whose first try is still
+generating after ``request_timeout_s``), 429 no
 admission slot, 503 Redis or inference unavailable; the calls' own statuses as on
 ``/episodes`` (``producers.inference.capture.hub``).
 """
@@ -174,6 +177,11 @@ async def _call(host: SessionHost, session_id: str, path: str,
             raise ValueError("the body is not a JSON object")
     except ValueError as exc:
         return error_reply(400, f"invalid JSON body: {exc}", "invalid_request_error")
+    position = request.headers.get("rollq-call-index")
+    if position is not None and not position.isdigit():
+        return error_reply(400, "Rollq-Call-Index must be a call's position (0, 1, ...)",
+                           "invalid_request_error")
     reply = await host.call(session_id, route, body,
-                            idempotency_key=request.headers.get("idempotency-key"))
+                            idempotency_key=request.headers.get("idempotency-key"),
+                            call_index=None if position is None else int(position))
     return reply_of(body, reply, chat=route == "chat")

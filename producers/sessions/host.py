@@ -12,8 +12,10 @@ workers``; it opens its episodes on ``rollq gateway --sessions`` instead:
   capture is rebuilt from Redis for every call, so any gateway process can serve any call
   and a restarted one continues where the killed one stopped. Each call is stored as it
   completes, with its reply. A call sent with an idempotency key (``Idempotency-Key``
-  header) that was already captured is answered from the record, not generated again; a
-  retry that arrives while the first try is still generating waits for it.
+  header) or its position in the session (``Rollq-Call-Index``) that was already captured
+  is answered from the record, not generated again; a retry that arrives while the first
+  try is still generating waits for it (the try's claim on the key is renewed while it
+  runs, so one whose process was killed lapses within ``claim_ttl_s``).
 - **close** (``close``): with a reward (the episode's ``env_score``) or without (the
   scorers' other components score it). When the last session of a group closes, the
   group is assembled like a worker's (``producers.envs.episode.build_rollout``: metadata
@@ -52,7 +54,14 @@ from producers.inference.capture import (
 from producers.inference.capture.session import ContinuationCheck, PolicyVersionReader
 from producers.sessions.gate import SessionGate
 from producers.sessions.store import SessionStore, StoredCall, StoredGroup
-from schemas import ContractError, DeadLetter, TrajectoryGroup, encode, encode_dead
+from schemas import (
+    ContractError,
+    DeadLetter,
+    TrajectoryGroup,
+    TransientError,
+    encode,
+    encode_dead,
+)
 from schemas.failures import CONTRACT_ERROR, SESSION_EXPIRED
 from schemas.keys import partition_of
 
@@ -78,7 +87,7 @@ class SessionClosed(SessionConflict):
 
 
 class CallInFlight(SessionConflict):
-    """A call under the same idempotency key is still generating after ``claim_ttl_s``."""
+    """A call under the same idempotency key is still generating after ``call_timeout_s``."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +136,10 @@ class SessionHost:
     partitions: int
     policy_version: PolicyVersionReader
     session_ttl_s: float = 900.0
-    claim_ttl_s: float = 600.0
-    """How long a call in flight holds its idempotency key (the longest generation)."""
+    call_timeout_s: float = 600.0
+    """How long a retry waits for a try of the same call that is still generating."""
+    claim_ttl_s: float = 10.0
+    """A call in flight holds its idempotency key this long, renewed while it runs."""
     tool_parser: str | None = "hermes"
     continuation_check: ContinuationCheck = "before"
     counts: SessionCounts = field(default_factory=SessionCounts)
@@ -177,56 +188,90 @@ class SessionHost:
     # --- calls -----------------------------------------------------------------------------
 
     async def call(self, session_id: str, route: Literal["chat", "completions"],
-                   body: Mapping[str, Any], *,
-                   idempotency_key: str | None = None) -> dict[str, Any]:
-        """Make and capture one call of a session; its reply body (module docstring)."""
+                   body: Mapping[str, Any], *, idempotency_key: str | None = None,
+                   call_index: int | None = None) -> dict[str, Any]:
+        """Make and capture one call of a session; its reply body (module docstring).
+        ``call_index``: the agent's count of its calls in this session (0 first): a call
+        already captured at that position is answered from the record."""
         group_id, index, partition = self._parse(session_id)
         group = await self._open_group(partition, group_id, session_id)
         if index in group.closes:
             raise SessionClosed(f"session {session_id!r} is closed")
-        if idempotency_key is not None:
-            replayed = await self._replayed(partition, group_id, index, idempotency_key)
-            if replayed is not None:
-                return replayed
-        try:
+        if call_index is not None:
             earlier = await self.store.calls(partition, group_id, index)
-            capture = EpisodeCapture(self.upstream, episode_id=session_id,
-                                     defaults=group.defaults,
-                                     policy_version=self.policy_version,
-                                     tool_parser=self.tool_parser,
-                                     continuation_check=self.continuation_check)
-            capture.resume([stored.call for stored in earlier])
-            reply = await (capture.chat(body) if route == "chat" else capture.complete(body))
+            if call_index < len(earlier):
+                return self._replay(group_id, index, earlier[call_index])
+            if call_index > len(earlier):
+                raise SessionConflict(f"call index {call_index} of session {session_id!r}: "
+                                      f"only {len(earlier)} calls were captured")
+            idempotency_key = idempotency_key or f"call-index:{call_index}"
+        if idempotency_key is None:
+            return await self._capture(session_id, group, partition, index, route, body, None)
+        replayed = await self._replayed(partition, group_id, index, idempotency_key)
+        if replayed is not None:
+            return replayed
+        holding = asyncio.create_task(self._hold(partition, group_id, index, idempotency_key))
+        try:
+            return await self._capture(session_id, group, partition, index, route, body,
+                                       idempotency_key)
         except BaseException:
-            if idempotency_key is not None:
-                await self.store.release(partition, group_id, index, idempotency_key)
+            await self.store.release(partition, group_id, index, idempotency_key)
             raise
-        position = await self.store.record(partition, group_id, index, capture.calls[-1],
-                                           reply, idempotency_key)
+        finally:
+            holding.cancel()
+            await asyncio.gather(holding, return_exceptions=True)
+
+    async def _capture(self, session_id: str, group: StoredGroup, partition: int, index: int,
+                       route: Literal["chat", "completions"], body: Mapping[str, Any],
+                       idempotency_key: str | None) -> dict[str, Any]:
+        """The call itself: the capture rebuilt from the stored calls, then recorded."""
+        earlier = await self.store.calls(partition, group.group_id, index)
+        capture = EpisodeCapture(self.upstream, episode_id=session_id, defaults=group.defaults,
+                                 policy_version=self.policy_version,
+                                 tool_parser=self.tool_parser,
+                                 continuation_check=self.continuation_check)
+        capture.resume([stored.call for stored in earlier])
+        reply = await (capture.chat(body) if route == "chat" else capture.complete(body))
+        position = await self.store.record(partition, group.group_id, index,
+                                           capture.calls[-1], reply, idempotency_key)
         if position == -2:
             raise SessionClosed(f"session {session_id!r} was closed while the call ran: "
                                 "its reply was not captured")
         if position < 0:
-            raise await self._gone(partition, group_id, session_id)
+            raise await self._gone(partition, group.group_id, session_id)
         return reply
+
+    def _replay(self, group_id: str, index: int, stored: StoredCall) -> dict[str, Any]:
+        self.counts.replayed += 1
+        log.info("session_call_replayed", group_id=group_id, session=index,
+                 call=stored.call.index)
+        return stored.reply
 
     async def _replayed(self, partition: int, group_id: str, index: int,
                         key: str) -> dict[str, Any] | None:
-        """The recorded reply under ``key``, waiting for a try in flight; None once this
-        request holds the key's claim (it must make the call)."""
-        deadline = time.monotonic() + self.claim_ttl_s
+        """The recorded reply under ``key``, waiting while another request holds the key
+        (its try is generating); None once this request holds it (it makes the call)."""
+        deadline = time.monotonic() + self.call_timeout_s
         while True:
             stored = await self.store.replay(partition, group_id, index, key)
             if stored is not None:
-                self.counts.replayed += 1
-                log.info("session_call_replayed", group_id=group_id, session=index,
-                         call=stored.call.index)
-                return stored.reply
+                return self._replay(group_id, index, stored)
             if await self.store.claim(partition, group_id, index, key, self.claim_ttl_s):
                 return None
             if time.monotonic() > deadline:
                 raise CallInFlight(f"a call with Idempotency-Key {key!r} is still in flight")
             await asyncio.sleep(0.05)
+
+    async def _hold(self, partition: int, group_id: str, index: int, key: str) -> None:
+        """Keep the key's claim while the call generates: a killed process's claim lapses
+        within ``claim_ttl_s``, so a retry sent to another process goes ahead."""
+        while True:
+            await asyncio.sleep(self.claim_ttl_s / 3)
+            try:
+                await self.store.claim(partition, group_id, index, key, self.claim_ttl_s,
+                                       renew=True)
+            except TransientError as exc:  # the next renewal may reach Redis
+                log.warning("session_claim_renewal_failed", group_id=group_id, error=str(exc))
 
     # --- close -----------------------------------------------------------------------------
 

@@ -183,13 +183,15 @@ class SessionStore:
         return None if raw is None else _decode_call(int(position), raw)
 
     async def claim(self, partition: int, group_id: str, session: int, idempotency_key: str,
-                    ttl_s: float) -> bool:
+                    ttl_s: float, *, renew: bool = False) -> bool:
         """Take the right to make the call under ``idempotency_key`` (False: a request
-        with that key is in flight); lapses after ``ttl_s`` if its holder dies."""
+        with that key is in flight); lapses after ``ttl_s`` unless renewed (``renew``:
+        extend a claim this request holds)."""
+        key = self._claim_key(partition, group_id, session, idempotency_key)
         async with translated_errors("claiming a call"):
-            return bool(await self.redis.set(
-                self._claim_key(partition, group_id, session, idempotency_key), b"1", nx=True,
-                px=max(1, int(ttl_s * 1000))))
+            if renew:
+                return bool(await self.redis.pexpire(key, max(1, int(ttl_s * 1000))))
+            return bool(await self.redis.set(key, b"1", nx=True, px=max(1, int(ttl_s * 1000))))
 
     async def release(self, partition: int, group_id: str, session: int,
                       idempotency_key: str) -> None:

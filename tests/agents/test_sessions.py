@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import redis.asyncio as aioredis
 
 from consumers.bus import join_trajectories
@@ -88,6 +89,9 @@ async def test_a_group_of_sessions_is_captured_and_published_with_its_rewards(
         assert await traj_groups(real_redis) == []  # nothing published before the closes
         first = (await http.post(f"/sessions/{opened['sessions'][0]['session_id']}/close",
                                  json={"reward": 1.0})).json()
+        closed_call = await http.post(f"{opened['sessions'][0]['base_url']}/chat/completions",
+                                      json={"messages": [{"role": "user", "content": "hi"}]})
+        assert closed_call.status_code == 409, closed_call.text
         assert (first["closed"], first["entry_id"]) == (1, None)
         last = (await http.post(f"/sessions/{opened['sessions'][1]['session_id']}/close",
                                 json={"reward": 0.0, "metadata": {"turns": 3}})).json()
@@ -128,15 +132,41 @@ async def test_a_retried_call_is_captured_once(real_redis: aioredis.Redis) -> No
                 extra_headers={"Idempotency-Key": "call-2"}) for _ in range(3)])
             other = await client.chat.completions.create(
                 model="m", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+            by_index = [await client.chat.completions.create(
+                model="m", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                extra_headers={"Rollq-Call-Index": str(position)}) for position in (0, 3, 3)]
+            with pytest.raises(openai.ConflictError, match="only 4 calls"):
+                await client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+                    extra_headers={"Rollq-Call-Index": "9"})
         host: SessionHost = http.app.state.sessions  # type: ignore[attr-defined]
         replayed = host.counts.replayed
         calls = await real_redis.lrange(
             session_key(RUN, 0, opened["group_id"], "calls:0"), 0, -1)
     assert retried.model_dump() == first.model_dump()
     assert len({r.choices[0].message.content for r in racing}) == 1
-    assert len(fake.replies) == 3  # call-1, call-2 (once for three requests), no key
-    assert len(calls) == 3 and replayed == 3
+    assert by_index[0].model_dump() == first.model_dump()
+    assert by_index[2].model_dump() == by_index[1].model_dump()
+    # generated: call-1, call-2 (once for three requests), the unkeyed call, index 3
+    assert len(fake.replies) == 4 and len(calls) == 4 and replayed == 5
     assert other.choices[0].message.content is not None
+
+
+async def test_a_retry_goes_ahead_once_a_killed_tries_claim_lapses(
+        real_redis: aioredis.Redis) -> None:
+    """A try whose gateway process was killed mid-generation left its claim on the key:
+    it lapses (it was renewed only while the try ran), and the retry is made, once."""
+    fake = AgentFakeVLLM()
+    async with sessions_gateway(fake, real_redis) as http:
+        opened = await open_group(http)
+        [session] = opened["sessions"]
+        claim = session_key(RUN, 0, opened["group_id"], "claim:0:k")
+        await real_redis.set(claim, b"1", px=300)  # the killed try's claim
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        answers = [await http.post(f"{session['base_url']}/chat/completions", json=body,
+                                   headers={"Idempotency-Key": "k"}) for _ in range(2)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json() == answers[1].json() and len(fake.replies) == 1
 
 
 async def test_an_abandoned_session_ends_as_a_counted_dead_letter(
