@@ -267,12 +267,6 @@ class SessionStore:
                                                  before)
         return [member.decode() for member in raw]
 
-    async def open_groups(self, partitions: int) -> int:
-        """How many session groups are open (admitted, not yet published or dead)."""
-        async with translated_errors("counting session groups"):
-            return sum([int(await self.redis.zcard(sessions_key(self.run, p)))
-                        for p in range(partitions)])
-
 
 def _decode_call(position: int, raw: bytes) -> StoredCall:
     record = orjson.loads(raw)

@@ -26,6 +26,7 @@ from ops.gateway.app import create_app
 from ops.gateway.settings import GatewaySettings
 from ops.roles import run_scorer
 from ops.settings import ScorerSettings
+from ops.status import collect_status
 from producers.sessions import SessionHost
 from schemas import decode_dead, decode_scored, decode_trajectory
 from schemas.keys import counters_key, session_key, stream_key
@@ -212,6 +213,7 @@ async def test_opening_is_admitted_under_the_staleness_budget(
         opened = await open_group(http, 4, group_id="g-1")
         again = await open_group(http, 4, group_id="g-1")  # a retried open: the same group
         refused = await http.post("/sessions", json={"env": "calc"})
+        accounting = (await collect_status(real_redis, RUN)).accounting
         host: SessionHost = http.app.state.sessions  # type: ignore[attr-defined]
         now = await real_redis.time()
         await host.expire(now=now[0] + 10_000)  # the slot is freed by the dead letter
@@ -220,6 +222,8 @@ async def test_opening_is_admitted_under_the_staleness_budget(
     assert refused.status_code == 429 and refused.headers["retry-after"] == "7"
     assert "no admission slot" in refused.json()["error"]["message"]
     assert admitted.status_code == 200
+    assert accounting is not None and accounting.sessions == 1
+    assert accounting.unaccounted == 0  # an open group is in flight, not lost
     assert await real_redis.hget(f"rollq:{{{RUN}}}:state", "admitted") == b"2"
 
 
