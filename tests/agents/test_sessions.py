@@ -11,6 +11,8 @@ import contextlib
 import json
 import signal
 import sys
+import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,16 @@ import redis.asyncio as aioredis
 
 from consumers.bus import join_trajectories
 from ops.cli import main
+from ops.connections import open_redis
 from ops.gateway.app import create_app
 from ops.gateway.settings import GatewaySettings
+from ops.local_cluster import LocalCluster
 from ops.roles import run_scorer
-from ops.settings import ScorerSettings
+from ops.settings import CommonSettings, ScorerSettings
 from ops.status import collect_status
 from producers.sessions import SessionHost
 from schemas import decode_dead, decode_scored, decode_trajectory
-from schemas.keys import counters_key, session_key, stream_key
+from schemas.keys import counters_key, partition_of, session_key, stream_key
 from tests.agents.agents import CALCULATOR, QUESTIONS, calculator_episode
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import assert_exactly_served, tool_script
@@ -310,3 +314,38 @@ async def _start(command: list[str], http: httpx.AsyncClient) -> asyncio.subproc
             await asyncio.sleep(0.1)
     output = await process.stdout.read() if process.stdout else b""
     raise AssertionError(f"rollq gateway exited {process.returncode}: {output.decode()[-2000:]}")
+
+
+async def test_sessions_on_a_redis_cluster(redis_cluster: LocalCluster) -> None:
+    """Every script of a session group touches keys of one slot (its partition's hash
+    tag): open, calls, the publishing close and an expiry work on a Redis Cluster."""
+    client = open_redis(CommonSettings(redis_url=redis_cluster.url))
+    run = f"ext-{uuid.uuid4().hex[:6]}"
+    fake = AgentFakeVLLM()
+    try:
+        app = create_app(GatewaySettings(inference=[fake.base_url], model="rollq-tiny",
+                                         run=run, partitions=4, sessions=True),
+                         transport=fake_transport(fake), redis=client)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gw.test") as http:
+            groups = [(await http.post("/sessions", json={"env": "calc"})).json()
+                      for _ in range(6)]
+            for opened in groups[:5]:
+                [session] = opened["sessions"]
+                answer = await http.post(
+                    f"{session['base_url']}/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                    headers={"Idempotency-Key": "k"})
+                assert answer.status_code == 200, answer.text
+                closed = await http.post(f"/sessions/{session['session_id']}/close",
+                                         json={"reward": 1.0})
+                assert closed.json()["entry_id"], closed.text
+            host: SessionHost = app.state.sessions
+            assert await host.expire(now=time.time() + 10_000) == [groups[5]["group_id"]]
+        published = {partition_of(g["group_id"], 4) for g in groups[:5]}
+        lengths = {p: await client.xlen(stream_key(run, p, "traj")) for p in range(4)}
+        assert sum(lengths.values()) == 5 and {p for p, n in lengths.items() if n} == published
+        dead = stream_key(run, partition_of(groups[5]["group_id"], 4), "dead")
+        assert await client.xlen(dead) == 1
+    finally:
+        await client.aclose()
