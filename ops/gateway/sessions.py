@@ -34,6 +34,7 @@ from producers.inference.capture.hub import (
     GatewayReply,
     answered,
     error_reply,
+    json_body,
     models_reply,
     reply_of,
 )
@@ -170,13 +171,9 @@ async def _call(host: SessionHost, session_id: str, path: str,
         route = "completions"
     else:
         return error_reply(404, f"no route {request.method} /v1/{path}", "not_found_error")
-    raw = await request.body()
-    try:
-        body = orjson.loads(raw) if raw else {}
-        if not isinstance(body, dict):
-            raise ValueError("the body is not a JSON object")
-    except ValueError as exc:
-        return error_reply(400, f"invalid JSON body: {exc}", "invalid_request_error")
+    body = json_body(await request.body())
+    if isinstance(body, GatewayReply):
+        return body
     position = request.headers.get("rollq-call-index")
     if position is not None and not position.isdigit():
         return error_reply(400, "Rollq-Call-Index must be a call's position (0, 1, ...)",

@@ -132,12 +132,9 @@ class CaptureHub:
 
     async def dispatch(self, method: str, path: str, content: bytes | None) -> GatewayReply:
         """Answer one request (module docstring); never raises for a bad request."""
-        try:
-            body = orjson.loads(content) if content else {}
-            if not isinstance(body, dict):
-                raise ValueError("the body is not a JSON object")
-        except ValueError as exc:
-            return error_reply(400, f"invalid JSON body: {exc}", "invalid_request_error")
+        body = json_body(content)
+        if isinstance(body, GatewayReply):
+            return body
         return await answered(self._route(method, path.rstrip("/"), body))
 
     async def _route(self, method: str, path: str, body: dict[str, Any]) -> GatewayReply:
@@ -173,6 +170,17 @@ class CaptureHub:
         chat = path == "/v1/chat/completions"
         reply = await (session.chat(body) if chat else session.complete(body))
         return reply_of(body, reply, chat=chat)
+
+
+def json_body(content: bytes | None) -> dict[str, Any] | GatewayReply:
+    """A request's JSON object (none: ``{}``), or the 400 reply for a body that is not one."""
+    try:
+        body = orjson.loads(content) if content else {}
+        if not isinstance(body, dict):
+            raise ValueError("the body is not a JSON object")
+    except ValueError as exc:
+        return error_reply(400, f"invalid JSON body: {exc}", "invalid_request_error")
+    return body
 
 
 async def answered(work: Awaitable[GatewayReply]) -> GatewayReply:
