@@ -103,9 +103,9 @@ class OpenedGroup:
 class CloseOutcome:
     session_id: str
     group_id: str
-    closed: int
-    """Sessions of the group closed so far."""
-    group_size: int
+    closed: int | None
+    """Sessions of the group closed so far (None: the group was published already)."""
+    group_size: int | None
     entry_id: str | None = None
     """The group's traj entry, once the last session closed."""
     dead_letter: str | None = None
@@ -281,16 +281,16 @@ class SessionHost:
         group_id, index, partition = self._parse(session_id)
         closed = await self.store.close(partition, group_id, index,
                                         {"reward": reward, "metadata": dict(metadata or {})})
-        if closed < 0:
+        if closed == -2:
+            raise SessionGone(f"no session {session_id!r}: its group has fewer sessions")
+        group = await self.store.group(partition, group_id) if closed >= 0 else None
+        if closed >= 0:
+            self.counts.closed += 1
+        if group is None:  # it ended: published by another close (a retry), or dead
             ended = await self.store.ended(partition, group_id)
-            if ended is not None and not ended.startswith("dead:"):  # a retried last close
-                return CloseOutcome(session_id, group_id, -1, -1, entry_id=ended)
+            if ended is not None and not ended.startswith("dead:"):
+                return CloseOutcome(session_id, group_id, None, None, entry_id=ended)
             raise await self._gone(partition, group_id, session_id)
-        self.counts.closed += 1
-        group = await self.store.group(partition, group_id)
-        if group is None:  # another close published it meanwhile
-            return CloseOutcome(session_id, group_id, closed, closed,
-                                entry_id=await self.store.ended(partition, group_id))
         if closed < group.group_size:
             return CloseOutcome(session_id, group_id, closed, group.group_size)
         return await self._publish(partition, group, session_id)

@@ -59,9 +59,10 @@ redis.call('DEL', KEYS[5])
 return position
 """
 # KEYS: group, index. ARGV: group id, session index, close (JSON), now. Sessions closed so
-# far (a repeated close changes nothing); -1: the group is gone.
+# far (a repeated close changes nothing); -1: the group is gone; -2: no such session.
 _CLOSE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if tonumber(ARGV[2]) >= tonumber(redis.call('HGET', KEYS[1], 'group_size')) then return -2 end
 if redis.call('HSETNX', KEYS[1], 'closed:' .. ARGV[2], ARGV[3]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'closed', 1)
 end
@@ -219,7 +220,8 @@ class SessionStore:
 
     async def close(self, partition: int, group_id: str, session: int,
                     close: Mapping[str, Any]) -> int:
-        """Record session ``session``'s close: how many are closed, -1 if the group is gone."""
+        """Record session ``session``'s close: how many are closed, -1 if the group is gone,
+        -2 if it has no session ``session``."""
         async with translated_errors("closing a session"):
             return int(await self._close(
                 keys=[self.key(partition, group_id, "group"), sessions_key(self.run, partition)],

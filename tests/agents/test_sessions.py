@@ -94,6 +94,8 @@ async def test_a_group_of_sessions_is_captured_and_published_with_its_rewards(
         assert await traj_groups(real_redis) == []  # nothing published before the closes
         first = (await http.post(f"/sessions/{opened['sessions'][0]['session_id']}/close",
                                  json={"reward": 1.0})).json()
+        beyond = await http.post(f"/sessions/{opened['group_id']}.2/close", json={})
+        assert beyond.status_code == 404, beyond.text
         closed_call = await http.post(f"{opened['sessions'][0]['base_url']}/chat/completions",
                                       json={"messages": [{"role": "user", "content": "hi"}]})
         assert closed_call.status_code == 409, closed_call.text
@@ -106,6 +108,7 @@ async def test_a_group_of_sessions_is_captured_and_published_with_its_rewards(
                                json={"messages": [{"role": "user", "content": "hi"}]})
     assert rewards == [1.0, 1.0]
     assert last["entry_id"] is not None and again["entry_id"] == last["entry_id"]
+    assert (last["closed"], last["group_size"], again["closed"]) == (2, 2, None)
     assert gone.status_code == 404 and "published" in gone.json()["error"]["message"]
     [group] = await traj_groups(real_redis)
     assert (group.group_id, group.env, group.metadata["answer"]) == (
@@ -205,6 +208,10 @@ async def test_an_abandoned_session_ends_as_a_counted_dead_letter(
     assert await asyncio.to_thread(main, ["dead", "list", "--redis-url", redis_server.url,
                                           "--run", RUN]) == 0
     assert "session_expired" in capsys.readouterr().out
+    await asyncio.to_thread(main, ["dead", "requeue", "--all", "--yes", "--redis-url",
+                                   redis_server.url, "--run", RUN])
+    assert "external session group" in "".join(capsys.readouterr())
+    assert await real_redis.xlen(stream_key(RUN, 0, "dead")) == 1  # refused, kept
 
 
 async def test_opening_is_admitted_under_the_staleness_budget(
