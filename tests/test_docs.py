@@ -270,3 +270,12 @@ def test_the_settings_page_holds_every_field_with_its_docstring() -> None:
     assert "env `ROLLQ_MAX_ENTRY_BYTES` · YAML `workers: max_entry_bytes`" in page
     assert "dead-lettered as\n`entry_too_large`" in page  # the field's docstring, in Markdown
     assert "### `prefetch`" in page  # the trainer SDK's dataclass fields too
+
+
+def test_the_readme_links_point_at_pages_that_exist() -> None:
+    """mkdocs checks the links between docs pages; the README is outside the site."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [target for target in targets if "://" not in target]
+    assert len(local) >= 10
+    assert [target for target in local if not (ROOT / target).is_file()] == []
