@@ -91,7 +91,8 @@ docstrings; edit the models, not this page (tests/test_docs.py fails when it is 
 Every setting of a role comes from (highest first) a command-line flag, a
 `ROLLQ_<NAME>` environment variable, the `--config` YAML file, or the default. In the
 config file, the settings every role shares are top-level keys and a role's own settings
-sit in its section (`workers:`, `feeder:`, `scorer:`, `atropos_api:`, `gateway:`); an
+sit in its section (`workers:`, `feeder:`, `scorer:`, `atropos_api:`; `gateway:` only in a
+file that `rollq gateway` alone reads: the other roles refuse that section today); an
 environment variable of a list is comma-separated, of a mapping YAML. An invalid value
 stops the command with exit 78 and a message naming the field and where its value came
 from (`from --redis-url`, `from ROLLQ_RUN`, `from rollq.yaml`). How the sources combine,
