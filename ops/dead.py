@@ -42,6 +42,7 @@ import structlog
 
 from consumers.bus import is_entry_id, join_trajectories, translated_errors
 from consumers.trainer import TrainerClientSettings
+from producers.sessions.host import SOURCE_PREFIX as SESSIONS_SOURCE_PREFIX
 from producers.worker import parse_job_id
 from schemas import (
     DeadLetter,
@@ -268,6 +269,9 @@ def refusal(item: Letter, run: str, dedup_window_s: float | None) -> str | None:
     letter = item.letter
     if letter.consumer_group == RESCORE_GROUP:
         return "a rescore failure: run `rollq rescore` again"
+    if letter.source_stream.startswith(SESSIONS_SOURCE_PREFIX):
+        return ("an external session group (rollq gateway --sessions): its agent opens a new "
+                "group")
     if item.is_job:
         if letter.source_stream != JOB_SOURCE_PREFIX + run or parse_job_id(run, letter.source_id) \
                 is None:

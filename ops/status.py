@@ -25,6 +25,7 @@ from schemas.keys import (
     STREAM_NAMES,
     counters_key,
     readmit_key,
+    sessions_key,
     state_key,
     stream_key,
     sum_counters,
@@ -41,7 +42,8 @@ class Accounting:
 
     ``admitted = consumed + dropped + in flight`` must hold, where in flight is what the
     queue and the streams hold: rollout jobs in arq's queue (waiting, running or retrying),
-    traj entries the scorers have not finished, scored entries the trainers have not acked.
+    external session groups still open on a gateway (``rollq gateway --sessions``), traj
+    entries the scorers have not finished, scored entries the trainers have not acked.
     Races between reads only make ``held`` larger (a job is still queued when its group is
     already on the stream), and so do duplicates of a re-run job, so ``unaccounted > 0``
     means groups are really missing: writes lost when redis-server died between two AOF
@@ -52,18 +54,20 @@ class Accounting:
     """``admitted − consumed − dropped``: groups that should be in flight."""
     jobs: int
     """Rollout jobs in the run's arq queue."""
-    waiting: int
-    """Requeued rollout jobs waiting in the readmit lists for the feeder."""
     unscored: int | None
     """Traj entries pending or not yet read by the ``scorers`` group (None: unknown)."""
     unconsumed: int | None
     """Scored entries pending or not yet read by the ``trainer`` group (None: unknown)."""
+    sessions: int = 0
+    """External session groups open (admitted, not yet published or dead-lettered)."""
+    waiting: int = 0
+    """Requeued rollout jobs waiting in the readmit lists for the feeder."""
 
     @property
     def held(self) -> int | None:
         if self.unscored is None or self.unconsumed is None:
             return None
-        return self.jobs + self.waiting + self.unscored + self.unconsumed
+        return self.jobs + self.waiting + self.sessions + self.unscored + self.unconsumed
 
     @property
     def unaccounted(self) -> int | None:
@@ -138,6 +142,8 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
     async with translated_errors("reading the job queue"):
         jobs = int(await (queue or redis).zcard(queue_name(run)))
         waiting = sum([int(await redis.llen(readmit_key(run, p))) for p in range(partitions)])
+    async with translated_errors("counting open session groups"):
+        sessions = sum([int(await redis.zcard(sessions_key(run, p))) for p in range(partitions)])
     async with translated_errors("reading the workers' health"):
         workers = await read_health(queue or redis, run)
     return RunStatus(
@@ -151,6 +157,7 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
         reward_samples=len(rewards),
         accounting=Accounting(
             expected=outstanding(admitted, counters)[1], jobs=jobs, waiting=waiting,
+            sessions=sessions,
             unscored=_not_done(streams, "traj", "scorers"),
             unconsumed=_not_done(streams, "scored", TRAINER_GROUP, any_group=True)),
         workers=workers,
@@ -221,8 +228,11 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
         held = "?" if accounting.held is None else str(accounting.held)
         lines.append(
             f"in flight: {accounting.expected} expected (admitted − consumed − dropped), "
-            f"{held} found: {accounting.jobs} jobs, {accounting.waiting} requeued jobs "
-            f"waiting for admission, {accounting.unscored} unscored, "
+            f"{held} found: {accounting.jobs} jobs, "
+            + (f"{accounting.waiting} requeued jobs waiting for admission, "
+               if accounting.waiting else "")
+            + (f"{accounting.sessions} open session groups, " if accounting.sessions else "")
+            + f"{accounting.unscored} unscored, "
             f"{accounting.unconsumed} unconsumed")
         if accounting.unaccounted:
             lines.append(

@@ -114,18 +114,45 @@ class FeedState:
     version: int
     consumed: int
     outstanding: int
-    """Admitted, not consumed or dropped, and not waiting in a readmit list."""
+    """Admitted and not consumed or dropped: in flight, buffered, or requeued and waiting
+    in a readmit list."""
+    admitted: int = 0
+    """Groups admitted ever (the run state's ``admitted``)."""
     waiting: int = 0
     """Requeued jobs in the readmit lists, not yet enqueued again."""
+    partitions: int = 1
 
     def free(self, plan: FeedPlan) -> int:
-        """Jobs the admission rule allows now, requeued or new."""
-        return admit(self.version, self.consumed, self.outstanding,
+        """Jobs the admission rule allows now, requeued or new (a waiting job is not in
+        flight yet)."""
+        return admit(self.version, self.consumed, self.outstanding - self.waiting,
                      max_staleness=plan.max_staleness, batch_groups=plan.batch_groups)
 
     def budget(self, plan: FeedPlan) -> int:
         """New positions to admit now: what the rule allows after the requeued jobs."""
         return max(0, min(self.free(plan) - self.waiting, plan.total - self.cursor))
+
+
+async def read_feed_state(redis: aioredis.Redis, run: str) -> FeedState:
+    """The run's admission inputs: cursor, policy version, consumed, outstanding, admitted
+    (what the feeder and the gateway's sessions both admit against: requeued jobs waiting
+    for the feeder count as outstanding, so sessions leave their slots to them)."""
+    state = await redis.hgetall(state_key(run))
+    partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
+    counters = sum_counters([await redis.hgetall(counters_key(run, p))
+                             for p in range(partitions)])
+    admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
+    consumed, pending = outstanding(admitted, counters)
+    waiting = sum([int(await redis.llen(readmit_key(run, p))) for p in range(partitions)])
+    return FeedState(
+        cursor=int(state.get(CURSOR_FIELD.encode(), b"0")),
+        version=int(state.get(POLICY_VERSION_FIELD.encode(), b"0")),
+        consumed=consumed,
+        outstanding=max(pending, waiting),
+        admitted=admitted,
+        waiting=waiting,
+        partitions=partitions,
+    )
 
 
 class Feeder:
@@ -165,20 +192,9 @@ class Feeder:
         return state_key(self.run)
 
     async def read_state(self) -> FeedState:
-        state = await self.redis.hgetall(self.key)
-        partitions = self.partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
-        counters = sum_counters([await self.redis.hgetall(counters_key(self.run, p))
-                                 for p in range(partitions)])
-        consumed, pending = outstanding(int(state.get(ADMITTED_FIELD.encode(), b"0")), counters)
-        waiting = sum([int(await self.redis.llen(readmit_key(self.run, p)))
-                       for p in range(partitions)])
-        return FeedState(
-            cursor=int(state.get(CURSOR_FIELD.encode(), b"0")),
-            version=int(state.get(POLICY_VERSION_FIELD.encode(), b"0")),
-            consumed=consumed,
-            outstanding=max(0, pending - waiting),
-            waiting=waiting,
-        )
+        state = await read_feed_state(self.redis, self.run)
+        self.partitions = state.partitions
+        return state
 
     async def feed_once(self) -> int:
         """Admit as many jobs as the budget allows now, if this feeder gets the lease;
