@@ -13,10 +13,21 @@ from pathlib import Path
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
+import structlog
 
 from ops.local_cluster import LocalCluster
 from tests.redis_server import RedisServer
 from tests.redis_tls import TlsRedis
+
+
+@pytest.fixture(autouse=True)
+def _structlog_restored() -> Iterator[None]:
+    """A test that runs a command in-process configures logging (its level too); the next
+    test's ``capture_logs`` must not inherit that level, so every test starts from the
+    configuration it found."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture(scope="session")

@@ -53,17 +53,25 @@ async def test_all_groups_dropped_as_zero_variance_is_one_warning_with_the_share
     config = tmp_path / "reward.yaml"
     config.write_text(SAME_LENGTH_REWARD)
     publisher = Publisher(real_redis, "flat")
-    for seed in range(5):
-        await publisher.publish(make_group(run="flat", seed=seed))
+    await publisher.register()
+    # longer than the gaps between the 5 groups' scoring on a loaded machine, so the one
+    # warning comes after all 5 (a gap as long would be a stall of its own)
+    stall_s = 4 * STALL_S
     settings = ScorerSettings(redis_url=redis_server.url, run="flat", reward_config=config,
-                              processes=1, stall_warning_s=STALL_S, block_ms=100)
+                              processes=1, stall_warning_s=stall_s, block_ms=100)
     with capture_logs() as logs:
         async with role(run_scorer(settings, asyncio.Event())):
+            # the groups arrive once the scorer's watchdog has its first look at the run
+            await until(lambda: any(e["event"] == "scorer_started" for e in logs),
+                        "the scorer's start", timeout_s=60)
+            await asyncio.sleep(0.5)
+            for seed in range(5):
+                await publisher.publish(make_group(run="flat", seed=seed))
             await until(lambda: warnings_of(logs, "groups_all_zero_variance"),
                         "the zero-variance warning", timeout_s=60)
-            await asyncio.sleep(3 * STALL_S)  # once: no second line while nothing changes
+            await asyncio.sleep(3 * stall_s)  # once: no second line while nothing changes
     [warning] = warnings_of(logs, "groups_all_zero_variance")
-    assert warning["dropped"] == 5 and warning["run_share"] == 1.0
+    assert warning["dropped"] == 5 and warning["run_share"] == 1.0, warning
     assert "all 5 groups scored in the last" in warning["message"]
     assert "zero-variance (100% of the run's groups)" in warning["message"]
     assert not warnings_of(logs, "run_stalled")
