@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from ops.cluster import ClusterClient
 from ops.settings import CommonSettings
 from schemas import ConfigError
+from schemas.errors import refusals_named
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """rollq's URL schemes for a Redis Cluster, and the plain scheme of their nodes."""
@@ -53,6 +54,17 @@ def redis_options(settings: CommonSettings, url: str | None = None) -> dict[str,
     return options
 
 
+class RefusalNamingRedis(aioredis.Redis):
+    """A redis-py client whose refused commands (ACL ``NOPERM``, ``WRONGPASS``) raise
+    ``AccessRefused`` naming the user, the command and its keys: Redis's own text names
+    none of them, and a refusal must end the role (exit 78), not be ridden out."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        with refusals_named(self.connection_pool.connection_kwargs.get("username"), args):
+            return await super().execute_command(  # type: ignore[no-untyped-call]
+                *args, **options)  # (redis-py leaves it untyped)
+
+
 def open_redis(settings: CommonSettings, **extra: Any) -> aioredis.Redis:
     """An asyncio client for the data plane (closed by the caller): a ``ClusterClient``
     when ``redis_url`` names a cluster."""
@@ -66,7 +78,7 @@ def open_url(url: str, settings: CommonSettings | None = None, **extra: Any) -> 
                **(redis_options(settings, url) if settings else {}), **extra}
     scheme = urlsplit(url).scheme
     if scheme not in CLUSTER_SCHEMES:
-        plain: aioredis.Redis = aioredis.Redis.from_url(url, **options)
+        plain: aioredis.Redis = RefusalNamingRedis.from_url(url, **options)
         return plain
     node_url = CLUSTER_SCHEMES[scheme] + url[len(scheme):]
     cluster = ClusterClient.from_url(node_url, **options)

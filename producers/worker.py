@@ -68,6 +68,7 @@ from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
 from producers.rollout import PolicyVersionSource, RolloutRunner
 from schemas import BrokerUnavailable
+from schemas.errors import refusals_named
 from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
 from schemas.heap import startup_done
 from schemas.keys import run_key
@@ -123,9 +124,12 @@ async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int, *,
     The job carries the env's name and, from a feeder, its item count, so a worker whose
     env differs (feed and workers started with another ``--env`` or ``--env-option``)
     dead-letters the job instead of rolling out another item under its id."""
-    job = await queue.enqueue_job(JOB_FUNCTION, position, env=env, items=items,
-                                  _job_id=job_id(run, env, position),
-                                  _queue_name=queue_name(run))
+    with refusals_named(queue.connection_pool.connection_kwargs.get("username"),
+                        ("arq-enqueue", queue_name(run),
+                         job_key_prefix + job_id(run, env, position))):
+        job = await queue.enqueue_job(JOB_FUNCTION, position, env=env, items=items,
+                                      _job_id=job_id(run, env, position),
+                                      _queue_name=queue_name(run))
     return job is not None
 
 

@@ -12,16 +12,21 @@ the stream entry by the branch alone:
   sample (``skip_component``: no value, flagged) or makes the group's reward unknown, which
   is retried and then dead-lettered as ``reward_error`` (``schemas.failures``).
 - ``ConfigError``: a setting is wrong. Raised at start-up, before any entry is read; the CLI
-  exits non-zero with the message.
+  exits non-zero with the message. ``AccessRefused`` is one: Redis refused the user a
+  command or a key (ACL ``NOPERM``) or refused its credentials (``WRONGPASS``, ``NOAUTH``),
+  which no waiting fixes, so it is never ridden out as an outage.
 
 Foreign exceptions (redis, httpx, pydantic) are translated into these where they enter;
-``translated_errors`` is the one translation of redis-py's connection failures.
+``translated_errors`` is the one translation of redis-py's connection failures, and
+``access_refused`` the one wording of a refusal.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import re
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 import redis.exceptions as redis_errors
 
@@ -56,6 +61,8 @@ async def translated_errors(action: str) -> AsyncIterator[None]:
     while <action>: ...")."""
     try:
         yield
+    except REFUSALS as exc:  # before ConnectionError: AuthenticationError is one
+        raise access_refused(exc) from exc
     except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
         raise BrokerUnavailable(f"redis unavailable while {action}: {exc}") from exc
 
@@ -70,3 +77,60 @@ class RewardError(RollqError):
 
 class ConfigError(RollqError, ValueError):
     """A setting is invalid; raised at start-up with a message that names the field."""
+
+
+class AccessRefused(ConfigError):
+    """Redis refused this user a command or a key (ACL ``NOPERM``), or its credentials
+    (``WRONGPASS``, ``NOAUTH``): a setting to fix, never an outage to wait out (exit 78)."""
+
+
+REFUSALS = (redis_errors.NoPermissionError, redis_errors.AuthenticationError,
+            redis_errors.AuthorizationError)
+"""redis-py's errors for a refusal (``AuthenticationError`` subclasses its
+``ConnectionError``: catch these first wherever connection errors mean an outage)."""
+
+KEY_PREFIXES = ("rollq:", "arq:")
+"""Prefixes of the keys rollq's roles touch (their own, and arq's job queue)."""
+
+
+def access_refused(exc: BaseException, *, user: str | None = None,
+                   command: Sequence[Any] = ()) -> AccessRefused:
+    """The ``AccessRefused`` for a refusal ``exc``, naming the user, the command and the key
+    pattern it lacks (as far as they are known: ``command`` is the refused command's
+    arguments, name first).
+
+    Redis's own NOPERM text names neither the user nor the key, and an operator needs both
+    to write the ACL rule that is missing."""
+    who = repr(user) if user else "this Redis user"
+    words = [_text(part) for part in command]
+    name = words[0].upper() if words else "a command"
+    keys = [word for word in words[1:] if word.startswith(KEY_PREFIXES)]
+    detail = str(exc) or type(exc).__name__
+    if not isinstance(exc, redis_errors.NoPermissionError):
+        return AccessRefused(f"Redis refused the credentials of {who} ({detail}): check the "
+                             "URL's user and password (and that the ACL user is on)")
+    refused_command = re.search(r"run the '([^']+)' command", detail)
+    if refused_command:  # Redis names the command it refused (in a script or a MULTI too)
+        name = refused_command.group(1).upper()
+        lacks = f"the command {name} (ACL rule +{name.lower()} or its category)"
+    elif keys:
+        lacks = "the key pattern " + " ".join(f"~{key}" for key in keys) + f" for {name}"
+    else:
+        lacks = f"a key that {name} names"
+    return AccessRefused(
+        f"Redis refused {who} {lacks}: {detail}; grant it with ACL SETUSER (rollq's keys "
+        "are ~rollq:* and, for feed and workers, arq's ~arq:*; README \"TLS and ACL users\")")
+
+
+@contextmanager
+def refusals_named(user: str | None, command: Sequence[Any]) -> Iterator[None]:
+    """Raise a refusal of ``command`` as ``access_refused`` naming ``user`` and it (the
+    one place a client knows both: its ``execute_command``)."""
+    try:
+        yield
+    except REFUSALS as exc:
+        raise access_refused(exc, user=user, command=command) from exc
+
+
+def _text(part: Any) -> str:
+    return part.decode(errors="replace") if isinstance(part, bytes) else str(part)
