@@ -104,7 +104,7 @@ def access_refused(exc: BaseException, *, user: str | None = None,
     who = repr(user) if user else "this Redis user"
     words = [_text(part) for part in command]
     name = words[0].upper() if words else "a command"
-    keys = [word for word in words[1:] if word.startswith(KEY_PREFIXES)]
+    keys = [word for word in words[1:] if word.startswith(KEY_PREFIXES)] or words[1:2]
     detail = str(exc) or type(exc).__name__
     if not isinstance(exc, redis_errors.NoPermissionError):
         return AccessRefused(f"Redis refused the credentials of {who} ({detail}): check the "
@@ -114,7 +114,8 @@ def access_refused(exc: BaseException, *, user: str | None = None,
         name = refused_command.group(1).upper()
         lacks = f"the command {name} (ACL rule +{name.lower()} or its category)"
     elif keys:
-        lacks = "the key pattern " + " ".join(f"~{key}" for key in keys) + f" for {name}"
+        lacks = ("the key pattern " if len(keys) == 1 else "one of the key patterns ") + (
+            " ".join(f"~{key}" for key in keys) + f" for {name}")
     else:
         lacks = f"a key that {name} names"
     return AccessRefused(
