@@ -72,6 +72,7 @@ from schemas.errors import refusals_named
 from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
 from schemas.heap import startup_done
 from schemas.keys import run_key
+from schemas.tls import url_tls_options
 
 log = structlog.get_logger("rollq.worker")
 JOB_FUNCTION = "rollout"
@@ -102,9 +103,10 @@ def _deserialize(value: bytes) -> Any:
 def queue_settings(redis_url: str, options: Mapping[str, Any] | None = None) -> RedisSettings:
     """arq's connection settings: its DSN parser keeps the user, password and ``rediss``
     scheme but drops TLS files, so the redis-py ``options`` (``ssl_ca_certs``,
-    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``) are set on it explicitly."""
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``) are set on it explicitly, and the
+    URL's own ``ssl_*`` query options over them (as redis-py does for its clients)."""
     settings = RedisSettings.from_dsn(redis_url)
-    for name, value in (options or {}).items():
+    for name, value in {**(options or {}), **url_tls_options(redis_url)}.items():
         if name.startswith("ssl_"):
             setattr(settings, name, value)
     return settings

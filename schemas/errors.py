@@ -24,6 +24,7 @@ Foreign exceptions (redis, httpx, pydantic) are translated into these where they
 from __future__ import annotations
 
 import re
+import ssl
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -64,6 +65,9 @@ async def translated_errors(action: str) -> AsyncIterator[None]:
     except REFUSALS as exc:  # before ConnectionError: AuthenticationError is one
         raise access_refused(exc) from exc
     except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+        failure = tls_failure(exc)
+        if failure is not None:  # a certificate to fix: no waiting makes it verify
+            raise tls_refused(failure) from exc
         raise BrokerUnavailable(f"redis unavailable while {action}: {exc}") from exc
 
 
@@ -135,3 +139,30 @@ def refusals_named(user: str | None, command: Sequence[Any]) -> Iterator[None]:
 
 def _text(part: Any) -> str:
     return part.decode(errors="replace") if isinstance(part, bytes) else str(part)
+
+
+def tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error in ``exc``'s chain that a setting must fix (the server's certificate
+    does not verify, or the server refused the client's), else None. redis-py raises its
+    ConnectionError inside the handler of the ``ssl`` error, so both links are followed."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ssl.SSLCertVerificationError):
+            return current
+        if isinstance(current, ssl.SSLError) and any(
+                word in str(current).upper() for word in ("CERTIFICATE", "UNKNOWN_CA")):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def tls_refused(failure: ssl.SSLError) -> ConfigError:
+    """The ``ConfigError`` for a TLS ``failure``: what failed and which settings to check."""
+    reason = getattr(failure, "verify_message", None) or failure.reason or str(failure)
+    return ConfigError(
+        f"TLS to Redis failed ({reason}): check that redis_ca_file (ROLLQ_REDIS_CA_FILE) is "
+        "the CA that signed the server's certificate and that the certificate names the "
+        "URL's host; a server that asks for client certificates needs redis_cert_file and "
+        "redis_key_file (ROLLQ_REDIS_CERT_FILE, ROLLQ_REDIS_KEY_FILE); docs/operations/tls.md")

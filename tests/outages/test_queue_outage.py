@@ -8,6 +8,7 @@ give up ``redis_give_up_s`` (10 s) after the outage began: exit 69 after 10–12
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ async def test_workers_give_up_on_the_queue_server_alone(make_redis_server: type
         ROLLQ_QUEUE_URL=queue.url, ROLLQ_REDIS_GIVE_UP_S=str(GIVE_UP_S))
     try:
         await process.wait_for("worker_started")
-        queue.kill()
+        await asyncio.to_thread(queue.kill)
         killed = time.monotonic()
         code = await process.finish(GIVE_UP_S + 20)
         took = time.monotonic() - killed
@@ -63,10 +64,10 @@ async def test_a_queue_restart_is_one_outage_of_the_queue(make_redis_server: typ
         ROLLQ_QUEUE_URL=queue.url, ROLLQ_REDIS_GIVE_UP_S="60")
     try:
         await process.wait_for("worker_started")
-        queue.kill()
+        await asyncio.to_thread(queue.kill)
         await process.wait_for("redis_outage_started")
-        time.sleep(2.0)  # down for a while, data plane up all along
-        queue.start()
+        await asyncio.sleep(2.0)  # down for a while, data plane up all along
+        await asyncio.to_thread(queue.start)
         ended = await process.wait_for("redis_outage_ended")
         process.signal(signal.SIGTERM)
         code = await process.finish(30)
