@@ -69,8 +69,8 @@ class RedisTls:
 
     def options(self, url: str) -> dict[str, Any]:
         """redis-py keyword arguments for ``url``: empty unless it is a TLS URL."""
+        url_tls_options(url)  # redis-py reads them itself: only check them here
         if urlsplit(url).scheme not in TLS_SCHEMES:
-            url_tls_options(url)  # a TLS option on a plain URL is refused all the same
             return {}
         options: dict[str, Any] = {"ssl_cert_reqs": "required" if self.verify else "none"}
         for name, value in (("ssl_ca_certs", self.ca_file), ("ssl_certfile", self.cert_file),

@@ -18,7 +18,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from producers.publisher import Publisher
-from schemas import decode_dead, decode_scored
+from schemas import decode_dead
 from schemas.failures import TRAJECTORY_MISSING
 from schemas.keys import stream_key
 from tests.factories import make_group
@@ -60,6 +60,6 @@ async def test_a_scorer_runs_90_s_over_an_overflowing_ref(make_redis_server: typ
     assert [letter.reason for letter in letters] == [TRAJECTORY_MISSING]
     assert letters[0].payload[b"traj"] == b"1-18446744073709551615"
     scored = await redis.xrange(stream_key(RUN, 0, "scored"))
-    assert [decode_scored(fields).group_id for _, fields in scored] == ["x:g:1"]
+    assert [fields[b"group_id"] for _, fields in scored] == [b"x:g:1"]
     assert len(process.events("entry_dead_lettered")) == 1
     await redis.aclose()
