@@ -4,8 +4,10 @@
 A real scorer process runs 90 s (three trim cycles) over that entry: it never exits, and
 the entry ends as exactly one dead letter. (The repro's traj entry was ``junk 1``, which
 the scorer dead-letters as ``decode_error`` on its own; here it is a valid group, which the
-scorer forwards, so the poison entry's letter is the only one.) Slow on purpose (90 s of wall time, marked
-``slow``): the trim runs on the scorer's own 30 s cycle, as in production.
+scorer forwards, so the poison entry's letter is the only one.)
+
+Slow on purpose (90 s of wall time, marked ``slow``): the trim runs on the scorer's own
+30 s cycle, as in production.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ from tests.redis_tls import TlsRedis
 from tests.trainer.helpers import RUN, publish_scored
 
 
-
 def fast(redis_ca_file: str | None = None, redis_give_up_s: float = 300.0
          ) -> TrainerClientSettings:
     return TrainerClientSettings(block_ms=100, prefetch=False, redis_ca_file=redis_ca_file,
@@ -66,7 +65,7 @@ async def test_without_the_ca_the_sdk_names_the_setting(tls_redis: TlsRedis,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ROLLQ_REDIS_CA_FILE", raising=False)
     settings = fast(redis_give_up_s=300)
-    with pytest.raises(ConfigError, match="TLS to Redis failed.*redis_ca_file"):
+    with pytest.raises(ConfigError, match=r"TLS to Redis failed.*redis_ca_file"):
         await asyncio.wait_for(asyncio.to_thread(trained, tls_redis.url(), settings), 30)
 
 
