@@ -53,7 +53,7 @@ from producers.feeder import Feeder, FeedPlan
 from producers.inference import SamplingParams
 from producers.publisher import Publisher
 from producers.worker import build_worker, connect_queue, enqueue_rollout, queue_name
-from schemas import BrokerUnavailable
+from schemas import BrokerUnavailable, ConfigError
 from schemas.errors import REFUSALS, access_refused
 from schemas.heap import startup_done
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
@@ -259,9 +259,16 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         result_ttl_s=settings.job_result_ttl_s, redis_options=queue_options(settings),
         max_entry_bytes=settings.max_entry_bytes,
         grace_s=settings.grace_s,
-        burst=burst, transport=transport,
+        burst=burst, transport=transport, on_refused=lambda exc: refuse(exc),
     )
     stopping = asyncio.Event()
+    refused: list[ConfigError] = []
+
+    def refuse(exc: ConfigError) -> None:  # a job met a setting to fix: stop, then exit 78
+        if not refused:
+            refused.append(exc)
+            _stop_worker(worker, stopping, signal.SIGTERM, reason="configuration_error")
+
     if not burst:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -290,6 +297,8 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                     if stopping.is_set():
                         log.info("workers_stopped", jobs_complete=worker.jobs_complete,
                                  jobs_retried=worker.jobs_retried)
+                        if refused:
+                            raise refused[0] from None
                         return
                     raise
                 except REFUSALS as exc:  # before ConnectionError: AuthenticationError is one
@@ -329,11 +338,13 @@ async def _finish_jobs_in_hand(worker: Any, grace_s: float) -> None:
         await asyncio.wait(running, timeout=grace_s)
 
 
-def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals) -> None:
+def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals,
+                 reason: str | None = None) -> None:
     if stopping.is_set():
         return
     stopping.set()
-    log.info("workers_stopping", signal=sig.name)
+    log.info("workers_stopping", **({"signal": sig.name} if reason is None else
+                                    {"reason": reason}))
     worker.handle_sig_wait_for_completion(sig)
 
 

@@ -4,6 +4,7 @@ user, the command and the key pattern it lacks."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -81,3 +82,33 @@ def test_a_refusal_inside_a_script_names_the_key() -> None:
                                        "keys used as arguments"),
         user="feeder", command=(b"EVALSHA", b"0123abcd", 1, b"rollq:{x}:state", 7))
     assert "'feeder' the key pattern ~rollq:{x}:state for EVALSHA" in str(refused)
+
+
+@pytest.mark.slow
+async def test_workers_whose_publish_is_refused_stop_with_78_and_keep_the_job(
+        make_redis_server: type) -> None:
+    """A job whose XADD is refused is neither retried into a dead letter nor lost: it goes
+    back to the queue and the pool stops with the configuration error."""
+    from ops.roles import run_workers
+    from ops.settings import WorkerSettings
+    from producers.publisher import Publisher
+    from producers.worker import connect_queue, enqueue_rollout, queue_name
+    from schemas.keys import stream_key
+    from tests.producers.fake_vllm import FakeVLLM, fake_transport
+
+    server = make_redis_server().start()
+    admin = aioredis.Redis.from_url(server.url)
+    await Publisher(admin, RUN).register()
+    queue = await connect_queue(server.url)
+    await enqueue_rollout(queue, RUN, "gsm8k", 0)
+    await queue.aclose()
+    url = await add_user(server.url, "workers", "~*", "+@all", "-xadd")
+    fake = FakeVLLM()
+    settings = WorkerSettings(redis_url=url, run=RUN, inference=[fake.base_url], group_size=2,
+                              max_tokens=8)
+    with pytest.raises(AccessRefused, match="'workers' the command XADD"):
+        await asyncio.wait_for(run_workers(settings, burst=True,
+                                           transport=fake_transport(fake)), 60)
+    assert await admin.zcard(queue_name(RUN)) == 1  # back in the queue, not failed
+    assert await admin.xlen(stream_key(RUN, 0, "dead")) == 0
+    await admin.aclose()
