@@ -18,6 +18,10 @@ from typing import Any
 
 import pytest
 
+QUICK_REWARD = ("components:\n  - name: length\n    component: length_bounty\n"
+                "advantages: {zero_variance: keep}\n")
+"""A reward config that needs no gold answer and no pool process."""
+
 
 @dataclass
 class RoleProcess:

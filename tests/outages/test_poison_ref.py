@@ -24,12 +24,10 @@ from schemas import decode_dead
 from schemas.failures import TRAJECTORY_MISSING
 from schemas.keys import stream_key
 from tests.factories import make_group
-from tests.outages.roles import RoleProcess
+from tests.outages.roles import QUICK_REWARD, RoleProcess
 
 RUN = "x"
 RUNNING_S = 90
-QUICK = ("components:\n  - name: length\n    component: length_bounty\n"
-         "advantages: {zero_variance: keep}\n")
 
 
 @pytest.mark.slow
@@ -39,7 +37,7 @@ async def test_a_scorer_runs_90_s_over_an_overflowing_ref(make_redis_server: typ
     server = make_redis_server().start()
     redis = aioredis.Redis.from_url(server.url)
     config = tmp_path / "quick.yaml"
-    config.write_text(QUICK)
+    config.write_text(QUICK_REWARD)
     process = await RoleProcess.start("score", "--redis-url", server.url, "--run", RUN,
                                       "--reward-config", str(config), "--processes", "1")
     try:

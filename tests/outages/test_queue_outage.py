@@ -11,22 +11,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from bench.workers import FakeServerProcess
 from ops.invocation import Exit
 from tests.outages.roles import RoleProcess
 
 GIVE_UP_S = 10
-
-
-@pytest.fixture(scope="module")
-def inference() -> Iterator[str]:
-    fake = FakeServerProcess().start()
-    yield fake.url
-    fake.stop()
 
 
 @pytest.mark.slow

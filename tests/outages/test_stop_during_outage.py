@@ -12,29 +12,18 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from bench.workers import FakeServerProcess
 from schemas.keys import stream_key
-from tests.outages.roles import RoleProcess
+from tests.outages.roles import QUICK_REWARD, RoleProcess
 from tests.waiting import until
 
 RUN = "stops"
 GRACE_S = 5
 """The workers' ``grace_s`` here; every other role stops with no batch in hand."""
-QUICK = ("components:\n  - name: length\n    component: length_bounty\n"
-         "advantages: {zero_variance: keep}\n")
-
-
-@pytest.fixture(scope="module")
-def inference() -> Iterator[str]:
-    fake = FakeServerProcess().start()
-    yield fake.url
-    fake.stop()
 
 
 async def start_role(role: str, redis_url: str, inference: str, tmp_path: Path) -> RoleProcess:
@@ -47,7 +36,7 @@ async def start_role(role: str, redis_url: str, inference: str, tmp_path: Path) 
         await process.wait_for("worker_started")
     elif role == "score":
         config = tmp_path / "quick.yaml"
-        config.write_text(QUICK)
+        config.write_text(QUICK_REWARD)
         process = await RoleProcess.start("score", *common, "--reward-config", str(config),
                                           "--processes", "1", **environ)
         await process.wait_for("scorer_started")
