@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.bus import Result, run_raw
+from bench.bus_workload import Result, run_raw
 from bench.common import BenchRedis, median_of, payload_bytes, print_table
 from bench.rollouts import make_problem, make_sentence
 from bench.trainer import (

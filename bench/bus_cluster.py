@@ -32,7 +32,7 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 
-from bench.bus import RUN, Result, _score_until, _stage, make_groups, run_rollq
+from bench.bus_workload import RUN, Result, _score_until, _stage, make_groups, run_rollq
 from bench.common import BenchRedis, median_of, print_table
 from ops.cluster import ClusterClient
 from ops.connections import open_url

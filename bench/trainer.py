@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from bench.bus import RAW_TRAJ, Result, _raw_consume, run_raw
+from bench.bus_workload import RAW_TRAJ, Result, _raw_consume, run_raw
 from bench.common import (
     BenchRedis,
     median_of,

@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -134,7 +135,19 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
     finally:
         await redis.aclose()
         server.stop()
-    return {"shape": shape, "params": params, "runs": runs, "logprob_gap": gaps}
+    return {"shape": shape, "params": params, "runs": runs, "logprob_gap": gaps,
+            "server_finish": finish_split(server.log_path.read_text(errors="replace"))}
+
+
+_FINISH = re.compile(r"rollq_tcp finish: \d+ tensors loaded in ([\d.]+) s, finalized in "
+                     r"([\d.]+) s")
+
+
+def finish_split(log: str) -> list[tuple[float, float]]:
+    """Each transfer's apply on the server, as the plugin logs it: (load_weights seconds,
+    finalize seconds: vLLM's per-layer processing, on the CPU the re-packing of every
+    linear layer's weights for oneDNN)."""
+    return [(float(load), float(final)) for load, final in _FINISH.findall(log)]
 
 
 def lines(result: dict[str, Any]) -> list[str]:
@@ -149,6 +162,11 @@ def lines(result: dict[str, Any]) -> list[str]:
                      f"(paused {median(method, 1):.3f} s), transfer {transfer:.3f} s "
                      f"(paused {paused:.3f} s), ratio {reload / transfer:.2f}, paused ratio "
                      f"{paused / median(method, 1):.2f}")
+    split = result.get("server_finish") or []
+    if split:
+        found.append(f"  transfer apply on the server (median of {len(split)}): load_weights "
+                     f"{statistics.median(a for a, _ in split):.3f} s, finalize "
+                     f"{statistics.median(b for _, b in split):.3f} s")
     return found
 
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
+import redis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
 
@@ -43,6 +45,34 @@ WRITE_COMMANDS = frozenset({
 _REDIRECTS = (redis_errors.MovedError, redis_errors.TryAgainError)  # AskError: Moved's base
 _TRANSIENT = (redis_errors.ClusterDownError, redis_errors.TryAgainError,
               redis_errors.ClusterError, redis_errors.SlotNotCoveredError)
+
+
+REDIS_PY_INTERNALS: dict[str, tuple[str, ...]] = {
+    "RedisCluster": ("_initialize", "_determine_slot", "nodes_manager"),
+    "NodesManager": ("startup_nodes", "nodes_cache", "connection_kwargs"),
+    "ClusterNode": ("_free", "acquire_connection", "parse_response", "response_callbacks"),
+    "ClusterPipeline": ("_command_stack", "_client"),
+}
+"""The redis-py internals this module relies on (checked against redis-py 5.3), named once.
+None is public API: ``missing_redis_py_internals()`` lists those an installed redis-py
+lacks, a test fails on it and ``ClusterClient`` refuses to start with it, so an upgrade
+that moves one fails loudly instead of misbehaving during a failover."""
+
+
+def missing_redis_py_internals() -> list[str]:
+    """``Class.attribute`` of each of ``REDIS_PY_INTERNALS`` the installed redis-py lacks
+    (probed on objects built without connecting)."""
+    client = RedisCluster(host="127.0.0.1", port=6379)
+    probes: dict[str, Any] = {
+        "RedisCluster": client, "NodesManager": client.nodes_manager,
+        "ClusterNode": ClusterNode("127.0.0.1", 6379),
+        "ClusterPipeline": ClusterPipeline(client),  # type: ignore[abstract]
+    }
+    return [f"{owner}.{name}" for owner, names in REDIS_PY_INTERNALS.items()
+            for name in names if not hasattr(probes[owner], name)]
+
+
+_MISSING_INTERNALS = cache(missing_redis_py_internals)
 
 
 class NotReplicated(redis_errors.ConnectionError):
@@ -68,6 +98,12 @@ class ClusterClient(RedisCluster):
     """How long a write waits for them (milliseconds) before it counts as failed."""
 
     async def initialize(self) -> ClusterClient:
+        missing = _MISSING_INTERNALS()
+        if missing:  # before any command: refused by name, never a misbehaving failover
+            raise RuntimeError(
+                f"redis-py {redis.__version__} lacks what rollq's cluster client relies on: "
+                f"{', '.join(missing)} (see ops/cluster.py REDIS_PY_INTERNALS); install the "
+                "redis version pyproject.toml names")
         if self._initialize:
             self._restore_startup_nodes()
         try:

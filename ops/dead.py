@@ -38,6 +38,7 @@ import structlog
 
 from consumers.bus import is_entry_id, join_trajectories, translated_errors
 from consumers.trainer import TrainerClientSettings
+from producers.sessions.host import SOURCE_PREFIX as SESSIONS_SOURCE_PREFIX
 from producers.worker import connect_queue, requeue_rollout
 from schemas import (
     DeadLetter,
@@ -253,6 +254,9 @@ def refusal(item: Letter, run: str, dedup_window_s: float | None) -> str | None:
     letter = item.letter
     if letter.consumer_group == RESCORE_GROUP:
         return "a rescore failure: run `rollq rescore` again"
+    if letter.source_stream.startswith(SESSIONS_SOURCE_PREFIX):
+        return ("an external session group (rollq gateway --sessions): its agent opens a new "
+                "group")
     if item.is_job:
         if letter.source_stream != JOB_SOURCE_PREFIX + run or _job_parts(run, letter.source_id) \
                 is None:

@@ -20,7 +20,9 @@ Series (labels ``run`` and ``role`` on every one):
   ``rollq_trainer_tokens_total``, ``rollq_trainer_step_seconds``,
   ``rollq_trainer_wait_seconds``, ``rollq_trainer_staleness_versions`` (histograms);
 - the gateway: the inference series above, ``rollq_gateway_episodes`` (open now) and
-  ``rollq_gateway_episodes_total{outcome=opened|closed|expired}``.
+  ``rollq_gateway_episodes_total{outcome=opened|closed|expired}``; with ``--sessions``
+  ``rollq_gateway_session_events_total{outcome=opened|refused|closed|published|expired|
+  dead_lettered|replayed}`` and the run-wide series (``session_expired`` among the drops).
 
 The HTTP roles (the Atropos API, the gateway) answer ``GET /metrics`` on their own port
 (``add_metrics_route``); the others serve it with ``--metrics-port``.
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
     from producers.feeder import Feeder
     from producers.inference.capture import CaptureHub
     from producers.inference.server import InferenceServer
+    from producers.sessions import SessionHost
 
 Register = Callable[["RoleMetrics"], None]
 
@@ -193,6 +196,25 @@ def gateway_metrics(hub: Callable[[], CaptureHub | None], urls: Sequence[str]) -
                      urls)(metrics)
 
     return register
+
+
+def session_metrics(host: Callable[[], SessionHost | None]) -> Register:
+    """The gateway's external sessions (``host()``: None when ``--sessions`` is off)."""
+
+    def register(metrics: RoleMetrics) -> None:
+        for outcome in SESSION_OUTCOMES:
+            metrics.add_counter(
+                "rollq_gateway_session_events", "External session events of this process: "
+                "groups opened, refused (429), published, expired, dead-lettered; sessions "
+                "closed; calls replayed from the record",
+                lambda outcome=outcome: getattr(getattr(host(), "counts", None), outcome, 0),
+                outcome=outcome)
+
+    return register
+
+
+SESSION_OUTCOMES = ("opened", "refused", "closed", "published", "expired", "dead_lettered",
+                    "replayed")
 
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"

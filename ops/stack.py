@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -99,10 +100,12 @@ class VllmProcess:
     def __init__(self, python: str, model_dir: Path, log_path: Path, *,
                  served_name: str = "rollq-tiny", port: int | None = None,
                  max_model_len: int = 512, compile_cache: Path | None = None,
-                 weight_transfer: str | None = None) -> None:
+                 weight_transfer: str | None = None, extra_args: Sequence[str] = ()) -> None:
         self.python = python
         self.weight_transfer = weight_transfer
         """A weight-transfer backend to serve with (``rollq_tcp``: rollq's CPU plugin)."""
+        self.extra_args = list(extra_args)
+        """More server flags (``--enable-scale-out``…), appended as given."""
         self.model_dir = model_dir
         self.log_path = log_path
         self.served_name = served_name
@@ -133,7 +136,8 @@ class VllmProcess:
                  "--max-model-len", str(self.max_model_len), "--enforce-eager",
                  "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
                  *(["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
-                   if self.weight_transfer else [])],
+                   if self.weight_transfer else []),
+                 *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=environment, start_new_session=True,
             )

@@ -23,6 +23,7 @@ from schemas.keys import (
     RUNS_KEY,
     STREAM_NAMES,
     counters_key,
+    sessions_key,
     state_key,
     stream_key,
     sum_counters,
@@ -39,7 +40,8 @@ class Accounting:
 
     ``admitted = consumed + dropped + in flight`` must hold, where in flight is what the
     queue and the streams hold: rollout jobs in arq's queue (waiting, running or retrying),
-    traj entries the scorers have not finished, scored entries the trainers have not acked.
+    external session groups still open on a gateway (``rollq gateway --sessions``), traj
+    entries the scorers have not finished, scored entries the trainers have not acked.
     Races between reads only make ``held`` larger (a job is still queued when its group is
     already on the stream), and so do duplicates of a re-run job, so ``unaccounted > 0``
     means groups are really missing: writes lost when redis-server died between two AOF
@@ -54,12 +56,14 @@ class Accounting:
     """Traj entries pending or not yet read by the ``scorers`` group (None: unknown)."""
     unconsumed: int | None
     """Scored entries pending or not yet read by the ``trainer`` group (None: unknown)."""
+    sessions: int = 0
+    """External session groups open (admitted, not yet published or dead-lettered)."""
 
     @property
     def held(self) -> int | None:
         if self.unscored is None or self.unconsumed is None:
             return None
-        return self.jobs + self.unscored + self.unconsumed
+        return self.jobs + self.sessions + self.unscored + self.unconsumed
 
     @property
     def unaccounted(self) -> int | None:
@@ -131,6 +135,8 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
     admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
     async with translated_errors("reading the job queue"):
         jobs = int(await (queue or redis).zcard(queue_name(run)))
+    async with translated_errors("counting open session groups"):
+        sessions = sum([int(await redis.zcard(sessions_key(run, p))) for p in range(partitions)])
     async with translated_errors("reading the workers' health"):
         workers = await read_health(queue or redis, run)
     return RunStatus(
@@ -143,7 +149,7 @@ async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 6
         reward_mean=float(np.mean(rewards)) if rewards else None,
         reward_samples=len(rewards),
         accounting=Accounting(
-            expected=outstanding(admitted, counters)[1], jobs=jobs,
+            expected=outstanding(admitted, counters)[1], jobs=jobs, sessions=sessions,
             unscored=_not_done(streams, "traj", "scorers"),
             unconsumed=_not_done(streams, "scored", TRAINER_GROUP)),
         workers=workers,
@@ -204,7 +210,9 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
         held = "?" if accounting.held is None else str(accounting.held)
         lines.append(
             f"in flight: {accounting.expected} expected (admitted − consumed − dropped), "
-            f"{held} found: {accounting.jobs} jobs, {accounting.unscored} unscored, "
+            f"{held} found: {accounting.jobs} jobs, "
+            + (f"{accounting.sessions} open session groups, " if accounting.sessions else "")
+            + f"{accounting.unscored} unscored, "
             f"{accounting.unconsumed} unconsumed")
         if accounting.unaccounted:
             lines.append(

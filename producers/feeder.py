@@ -99,11 +99,31 @@ class FeedState:
     version: int
     consumed: int
     outstanding: int
+    admitted: int = 0
+    """Groups admitted ever (the run state's ``admitted``)."""
 
     def budget(self, plan: FeedPlan) -> int:
         free = admit(self.version, self.consumed, self.outstanding,
                      max_staleness=plan.max_staleness, batch_groups=plan.batch_groups)
         return min(free, plan.total - self.cursor)
+
+
+async def read_feed_state(redis: aioredis.Redis, run: str) -> FeedState:
+    """The run's admission inputs: cursor, policy version, consumed, outstanding, admitted
+    (what the feeder and the gateway's sessions both admit against)."""
+    state = await redis.hgetall(state_key(run))
+    partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
+    counters = sum_counters([await redis.hgetall(counters_key(run, p))
+                             for p in range(partitions)])
+    admitted = int(state.get(ADMITTED_FIELD.encode(), b"0"))
+    consumed, pending = outstanding(admitted, counters)
+    return FeedState(
+        cursor=int(state.get(CURSOR_FIELD.encode(), b"0")),
+        version=int(state.get(POLICY_VERSION_FIELD.encode(), b"0")),
+        consumed=consumed,
+        outstanding=pending,
+        admitted=admitted,
+    )
 
 
 class Feeder:
@@ -131,17 +151,7 @@ class Feeder:
         return state_key(self.run)
 
     async def read_state(self) -> FeedState:
-        state = await self.redis.hgetall(self.key)
-        partitions = int(state.get(PARTITIONS_FIELD.encode(), b"1"))
-        counters = sum_counters([await self.redis.hgetall(counters_key(self.run, p))
-                                 for p in range(partitions)])
-        consumed, pending = outstanding(int(state.get(ADMITTED_FIELD.encode(), b"0")), counters)
-        return FeedState(
-            cursor=int(state.get(CURSOR_FIELD.encode(), b"0")),
-            version=int(state.get(POLICY_VERSION_FIELD.encode(), b"0")),
-            consumed=consumed,
-            outstanding=pending,
-        )
+        return await read_feed_state(self.redis, self.run)
 
     async def feed_once(self) -> int:
         """Admit as many jobs as the budget allows now, if this feeder gets the lease;

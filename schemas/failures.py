@@ -62,6 +62,9 @@ same rollout would be as large again)."""
 ENV_SKIPPED = "env_skipped"
 """An env returned no group for its item (an Atropos env's ``collect_trajectories`` gave
 None: it filtered the item out); the detail says why when the env said."""
+SESSION_EXPIRED = "session_expired"
+"""An external agent session group (``rollq gateway --sessions``) had no call and no close
+for ``session_ttl_s``: its agent went away; the detail says which sessions were closed."""
 UNEXPECTED_ERROR = "unexpected_error"
 """Anything else: a bug in rollq, an env or a component; the detail holds the exception."""
 

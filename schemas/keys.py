@@ -10,6 +10,10 @@ tag ``{<run>}``.
     rollq:{<run>:<p>}:dead      dead letters of either stage
     rollq:{<run>:<p>}:counters  hash: scored, consumed, drop:<reason>… (updated in the same
                                 Lua call as the XACK they describe, so counts are exact)
+    rollq:{<run>:<p>}:sessions  sorted set: open external session groups by last activity
+    rollq:{<run>:<p>}:session:<group_id>:<part>
+                                one open session group (``producers.sessions.store``): its
+                                hash, each session's captured calls, idempotency claims
     rollq:{<run>}:state         hash: partitions, policy_version, created_at, counters
     rollq:runs                  set of known run names
 """
@@ -70,6 +74,17 @@ def state_key(run: str) -> str:
 def counters_key(run: str, partition: int) -> str:
     """Key of a partition's counters hash (same hash tag as its streams)."""
     return f"{PREFIX}:{{{run}:{partition}}}:counters"
+
+
+def sessions_key(run: str, partition: int) -> str:
+    """Key of a partition's index of open external session groups (same hash tag as its
+    streams, so closing a group and XADDing it is one script)."""
+    return f"{PREFIX}:{{{run}:{partition}}}:sessions"
+
+
+def session_key(run: str, partition: int, group_id: str, part: str) -> str:
+    """Key ``part`` of one open session group, e.g. ``rollq:{tools:0}:session:<id>:group``."""
+    return f"{PREFIX}:{{{run}:{partition}}}:session:{group_id}:{part}"
 
 
 def sum_counters(hashes: Iterable[Mapping[bytes, bytes]]) -> dict[str, int]:

@@ -10,7 +10,8 @@ from ops.settings import CommonSettings, InferenceUrls
 
 
 class GatewaySettings(CommonSettings):
-    """The capturing gateway in front of one model's vLLM servers (it uses no Redis)."""
+    """The capturing gateway in front of one model's vLLM servers (it uses Redis only with
+    ``sessions``: ``redis_url``, ``run`` and ``partitions`` then say where)."""
 
     section: str = Field(default="gateway", exclude=True, repr=False)
     host: str = "127.0.0.1"
@@ -43,3 +44,17 @@ class GatewaySettings(CommonSettings):
     the earlier tokens; on drift the generation is discarded and made again token-in, and
     the episode checks ``before`` from then on). ``after`` pays only where replies seldom
     re-tokenise differently: the CPU bench's random model drifts on every continuation."""
+    sessions: bool = False
+    """Serve external agent sessions (``POST /sessions``, ``producers.sessions``): episodes
+    opened by agents outside rollq's workers, kept in the run's Redis, published onto its
+    traj stream when closed."""
+    session_ttl_s: float = Field(default=900.0, gt=0)
+    """A session group with no call and no close for this long is dead-lettered
+    ``session_expired``."""
+    max_staleness: int = Field(default=1, ge=0)
+    """Sessions' admission: how many policy versions a group may lag the trainer (the
+    feeder's setting of the same name)."""
+    batch_groups: int = Field(default=8, ge=1)
+    """Sessions' admission: groups the trainer consumes per optimizer step."""
+    retry_after_s: int = Field(default=5, ge=1)
+    """``Retry-After`` of a session open refused for want of an admission slot (429)."""

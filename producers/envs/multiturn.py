@@ -177,7 +177,7 @@ class EpisodeRunner:
             ids += sample.completion_ids
             logprobs += sample.logprobs
             mask += [1] * len(sample.completion_ids)
-            versions += [version] * len(sample.completion_ids)
+            versions += sample.versions(version)  # the server's labels, where it gives them
             finish_reason = sample.finish_reason
             messages.append({"role": "assistant", "content": sample.text})
             texts.append(sample.text)

@@ -75,19 +75,53 @@ class Choice:
     """Chat only: the server's separate reasoning (``reasoning``/``reasoning_content``)."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the choice, if one did."""
+    weight_versions: tuple[WeightSpan, ...] | None = None
+    """Which weights sampled which tokens, as the server labelled them (vLLM's generate API
+    only: ``/inference/v1/generate`` on a server started with ``--enable-scale-out``).
+    None where the server does not say (``/v1/completions``, chat)."""
+
+    def versions(self, read_version: int) -> list[int]:
+        """The policy version of each generated token.
+
+        ``read_version`` is the run's version the caller read before the request; it labels
+        every token when the server gave no spans, and the tokens of spans the server
+        labelled with something other than a version (``default``: no sync reached it yet).
+        With spans, a request that a sync met mid-generation (pause mode ``keep``) says
+        exactly which tokens the new weights sampled."""
+        count = len(self.completion_ids)
+        if not self.weight_versions:
+            return [read_version] * count
+        versions = [read_version] * count
+        for span in self.weight_versions:
+            label = int(span.version) if span.version.isdecimal() else read_version
+            versions[span.start:span.end] = [label] * (min(span.end, count) - span.start)
+        return versions
 
     def to_completion(self, policy_version: int, **fields: Any) -> Completion:
-        """A wire ``Completion`` of this sample: every token trainable, one version."""
+        """A wire ``Completion`` of this sample: every token trainable; one version (the one
+        read before the request), or per-token versions where the server's spans differ."""
+        versions = self.versions(policy_version)
         return Completion(
             completion_ids=self.completion_ids,
             logprobs=self.logprobs,
             loss_mask=[1] * len(self.completion_ids),
-            policy_version=policy_version,
+            policy_version=versions[0] if versions else policy_version,
+            token_versions=versions if len(set(versions)) > 1 else None,
             finish_reason=self.finish_reason,
             text=self.text,
             reasoning=self.reasoning,
             **fields,
         )
+
+
+@dataclass(frozen=True)
+class WeightSpan:
+    """Generated tokens ``[start, end)`` were sampled by the weights labelled ``version``
+    (the label a weight sync set with ``/update_weight_version``: rollq sends the step)."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)

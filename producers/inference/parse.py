@@ -9,6 +9,10 @@ Shapes are those of vLLM 0.32 (see ``tests/fixtures/vllm``):
 - ``/v1/chat/completions``: per choice ``token_ids`` and ``logprobs.content[i].logprob``;
   ``prompt_token_ids`` sits at the top level; ``message.reasoning`` (or the older
   ``reasoning_content``) holds the reasoning parser's split.
+- ``/inference/v1/generate`` (vLLM's token-in API, ``--enable-scale-out``) with
+  ``output_mode: "text"``: per choice ``token_ids``, ``text``, ``logprobs.content[i].logprob``
+  and ``weight_versions`` (spans of output tokens per weight label); no prompt ids (the
+  caller has them: they are what it sent, from ``/v1/completions/render``).
 - Errors: ``{"error": {"message", "type", "param", "code"}}``, or FastAPI's
   ``{"detail": ...}`` for unknown routes.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from producers.inference.errors import InferenceResponseError
-from producers.inference.params import Choice
+from producers.inference.params import Choice, WeightSpan
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -75,6 +79,28 @@ def parse_chat(body: Any) -> list[Choice]:
     return samples
 
 
+def parse_generate(body: Any, prompt_ids: list[int]) -> list[Choice]:
+    """Samples of an ``/inference/v1/generate`` response (``output_mode: "text"``)."""
+    samples = []
+    for choice in _choices(body):
+        token_ids = _token_ids(choice)
+        logprobs_block = choice.get("logprobs")
+        content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
+        if not isinstance(content, list):
+            raise InferenceResponseError("generate choice has no logprobs.content (logprobs=0)")
+        logprobs = _floats([entry.get("logprob") for entry in content], len(token_ids))
+        samples.append(Choice(
+            prompt_ids=prompt_ids,
+            completion_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=str(choice.get("finish_reason") or ""),
+            text=str(choice.get("text") or ""),
+            stop_reason=choice.get("stop_reason"),
+            weight_versions=_spans(choice.get("weight_versions"), len(token_ids)),
+        ))
+    return samples
+
+
 def parse_tokens(body: Any) -> list[int]:
     """Token ids of a ``/tokenize`` response."""
     if not isinstance(body, dict):
@@ -122,3 +148,23 @@ def _floats(values: Any, expected: int) -> list[float]:
     if not {*map(type, values)} <= {float, int}:
         raise InferenceResponseError("token logprobs contain non-numbers")
     return list(map(float, values))
+
+
+def _spans(values: Any, count: int) -> tuple[WeightSpan, ...] | None:
+    """The weight spans of a generate choice, checked to tile ``[0, count)`` in order."""
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        raise InferenceResponseError("weight_versions is not a list")
+    spans, position = [], 0
+    for value in values:
+        if not isinstance(value, dict):
+            raise InferenceResponseError("weight_versions holds a non-object")
+        start, end = value.get("start"), value.get("end")
+        if start != position or not isinstance(end, int) or end < start:
+            raise InferenceResponseError(f"weight_versions do not tile the output: {values}")
+        spans.append(WeightSpan(str(value.get("version")), start, end))
+        position = end
+    if position != count:
+        raise InferenceResponseError(f"weight_versions cover {position} of {count} tokens")
+    return tuple(spans)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis.asyncio as aioredis
 
@@ -27,8 +28,15 @@ from producers.inference import InferencePool
 from producers.inference.capture import RemoteGateway, Upstream
 from producers.inference.capture.render import PROBE_MESSAGES, PROBE_TOOLS, LocalTemplate
 from producers.inference.errors import InferenceRequestError
-from schemas import TrajectoryGroup
-from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow, RewritingEnv
+from schemas import TrajectoryGroup, decode_trajectory
+from schemas.keys import stream_key
+from tests.agents.agents import (
+    QUESTIONS,
+    CalculatorEnv,
+    CalculatorWorkflow,
+    RewritingEnv,
+    calculator_episode,
+)
 from tests.agents.helpers import kept_replies, served, trainable_runs
 from tests.agents.pipeline import run_workers, score_and_train
 from tests.integration.recording import RecordingTransport
@@ -218,3 +226,39 @@ async def test_the_calculator_agent_through_a_gateway_rendering_locally(
     assert tokenize == renders["server"] <= 4 + 16  # the probe and the checked renders
     batch = await score_and_train(real_redis, groups)
     assert len(batch.groups) == 1
+
+
+async def test_the_calculator_agent_on_real_vllm_through_external_sessions(
+        tool_vllm: VllmProcess, real_redis: aioredis.Redis) -> None:
+    """An ``openai`` agent outside rollq's workers on ``rollq gateway --sessions`` (real
+    uvicorn, real Redis): the same exact capture; its group reaches the traj stream when
+    the last session closes; a call retried under its ``Idempotency-Key`` is generated once."""
+    recorder = RecordingTransport()
+    port = free_port()
+    app = create_app(GatewaySettings(inference=[tool_vllm.url], port=port, run="ext-vllm",
+                                     sessions=True), transport=recorder, redis=real_redis)
+    async with serve_asgi(app, port, start_timeout_s=30) as url, \
+            httpx.AsyncClient(base_url=url) as http:
+        opened = (await http.post("/sessions", json={"env": "calc", "group_size": 2})).json()
+        for session in opened["sessions"]:
+            async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x",
+                                          max_retries=0) as client:
+                reward = await calculator_episode(client, QUESTIONS[0], max_tokens=24)
+            closed = await http.post(f"/sessions/{session['session_id']}/close",
+                                     json={"reward": reward})
+            assert closed.status_code == 200, closed.text
+        [single] = (await http.post("/sessions", json={"env": "calc"})).json()["sessions"]
+        generations = len([p for p, _, _ in recorder.exchanges if p in GENERATION])
+        body = {"messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": 8}
+        answers = [(await http.post(f"{single['base_url']}/chat/completions", json=body,
+                                    headers={"Idempotency-Key": "once"})).json()
+                   for _ in range(2)]
+        retried = len([p for p, _, _ in recorder.exchanges if p in GENERATION]) - generations
+    [group] = [decode_trajectory(fields) for _, fields in
+               await real_redis.xrange(stream_key("ext-vllm", 0, "traj"))]
+    assert group.group_id == opened["group_id"] and len(group.completions) == 2
+    replies = [reply for path, _, reply in recorder.exchanges if path in GENERATION]
+    recorder.exchanges = [exchange for exchange in recorder.exchanges
+                          if exchange[2] not in replies[generations:]]
+    check_exact([group], recorder)
+    assert answers[0] == answers[1] and retried == 1

@@ -24,6 +24,8 @@ import redis.asyncio as aioredis
 
 from consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
 from ops.stack import VllmProcess
+from producers.inference.params import SamplingParams
+from producers.inference.server import InferenceServer
 from schemas.keys import POLICY_VERSION_FIELD, state_key
 from tests.redis_server import RedisServer
 
@@ -110,7 +112,7 @@ def second_server(vllm_server: VllmProcess, tiny_model: Path,
     server = VllmProcess(vllm_server.python, tiny_model,
                          tmp_path_factory.mktemp("vllm-b") / "server.log",
                          compile_cache=vllm_server.compile_cache,
-                         weight_transfer="rollq_tcp")
+                         weight_transfer="rollq_tcp", extra_args=["--enable-scale-out"])
     yield server.start()
     server.stop()
 
@@ -203,6 +205,77 @@ async def test_a_server_added_then_killed_mid_update_then_restarted(
         assert tc._publisher.reinits == 3
         assert largest_gap(a, model) < TOLERANCE and largest_gap(b, model) < TOLERANCE
     assert await run_version(redis, "faults") == 4
+
+
+def teacher_forced(model: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    chosen = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return [float(v) for v in chosen[len(prompt_ids) - 1:]]
+
+
+async def test_a_sync_that_meets_a_generation_midway_labels_each_token_with_its_weights(
+    second_server: VllmProcess, redis: aioredis.Redis, tiny_model: Path,
+) -> None:
+    """Pause mode ``keep``: a request in flight when the sync pauses the server finishes
+    under the new weights. The server (``--enable-scale-out``, so completions go token-in)
+    says which tokens which weights sampled; the completion carries exactly that."""
+    url = second_server.url
+    old, new = perturbed(tiny_model, 11), perturbed(tiny_model, 12)
+    params = SamplingParams(max_tokens=440, extra={"ignore_eos": True})
+    async with client(redis, "midway", url, pause_mode="keep") as tc, \
+            httpx.AsyncClient(timeout=120) as http:
+        await tc.publish_policy(10, old)
+        server = InferenceServer(url, http)
+        for attempt, head_start in enumerate((0.3, 0.1, 0.02)):
+            generation = asyncio.create_task(server.complete([5, 6, 7], 2, params,
+                                                             model="rollq-tiny"))
+            await asyncio.sleep(head_start)
+            await tc.publish_policy(11 + attempt, new if attempt % 2 == 0 else old)
+            samples = await generation
+            if all(len(s.weight_versions or ()) == 2 for s in samples):
+                break  # the sync landed mid-generation, as wanted
+        else:
+            pytest.fail(f"no sync met the generation midway: {samples[0].weight_versions}")
+    assert server.generate_api is True
+    synced = 11 + attempt
+    sampler_old, sampler_new = (old, new) if attempt % 2 == 0 else (new, old)
+    for sample in samples:
+        first, second = sample.weight_versions or ()
+        assert (first.version, second.version) == (str(synced - 1 if attempt else 10),
+                                                   str(synced))
+        assert 0 < second.start < len(sample.completion_ids) == second.end
+        completion = sample.to_completion(policy_version=0)
+        assert completion.policy_version == int(first.version)
+        assert completion.token_versions is not None
+        assert list(completion.token_versions) == (
+            [int(first.version)] * second.start
+            + [synced] * (len(sample.completion_ids) - second.start))
+        # the labels are the truth: before the switch the old weights sampled every token
+        # (logprobs equal theirs); after it the new weights did (the KV cache of the earlier
+        # positions is the old weights', so closer to the new model, not equal to it)
+        before = slice(0, second.start)
+        after = slice(second.start, None)
+        old_lp = teacher_forced(sampler_old, sample.prompt_ids, sample.completion_ids)
+        new_lp = teacher_forced(sampler_new, sample.prompt_ids, sample.completion_ids)
+        assert max(abs(a - b) for a, b in zip(sample.logprobs[before], old_lp[before],
+                                              strict=True)) < TOLERANCE * 10
+        served = sample.logprobs[after]
+        gap_new = sum(abs(a - b) for a, b in zip(served, new_lp[after], strict=True))
+        gap_old = sum(abs(a - b) for a, b in zip(served, old_lp[after], strict=True))
+        assert gap_new < gap_old / 2, (gap_new, gap_old)
+
+
+async def test_completions_fall_back_where_the_server_has_no_token_in_api(
+    served: VllmProcess,
+) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        server = InferenceServer(served.url, http)
+        [sample] = await server.complete("hi", 1, SamplingParams(max_tokens=4),
+                                         model="rollq-tiny")
+    assert server.generate_api is False and sample.weight_versions is None
+    assert len(sample.completion_ids) == 4
 
 
 TRAINER = """

@@ -39,6 +39,12 @@ TEXT_OFFSET = 100
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize")
 
 
+SCALE_OUT_DISABLED = {"error": {
+    "message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out "
+               "to enable them.", "type": "PermissionDeniedError", "param": None, "code": 403}}
+"""What vLLM 0.32 answers on its token-in routes unless started with --enable-scale-out."""
+
+
 def encode_text(text: str) -> list[int]:
     """The fake tokenizer: one token per character."""
     return [TEXT_OFFSET + ord(char) for char in text]
@@ -136,6 +142,8 @@ class FakeVLLM:
         if path == "/resume":
             self.resume()
             return _json({"status": "resumed"})
+        if path.endswith("/render") or path.startswith("/inference/"):
+            return _json(SCALE_OUT_DISABLED, 403)  # vLLM started without --enable-scale-out
         if path == "/v1/models":
             return _json({"object": "list", "data": [{
                 "id": self.model, "object": "model", "owned_by": "vllm",

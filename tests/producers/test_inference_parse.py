@@ -19,7 +19,9 @@ from producers.inference import (
     PromptTooLongError,
     SamplingParams,
 )
+from producers.inference.parse import parse_generate
 from schemas import ContractError
+from tests.producers.fake_vllm import SCALE_OUT_DISABLED
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm"
 URL = "http://vllm.test"
@@ -36,6 +38,8 @@ def replaying(captured: dict[str, Any], seen: list[dict[str, Any]]) -> httpx.Moc
     def handle(request: httpx.Request) -> httpx.Response:
         if request.url.path in ("/health", "/is_paused"):
             return httpx.Response(200, json={"is_paused": False})
+        if request.url.path.endswith("/render"):
+            return httpx.Response(403, json=SCALE_OUT_DISABLED)
         seen.append(orjson.loads(request.content) if request.content else {})
         return httpx.Response(captured["status"], content=orjson.dumps(captured["response"]),
                               headers={"content-type": "application/json"})
@@ -160,3 +164,73 @@ async def test_missing_token_ids_is_a_response_error() -> None:
     async with pool_for(replaying(captured, [])) as pool:
         with pytest.raises(InferenceResponseError, match="return_token_ids"):
             await pool.complete("Bob")
+
+
+def token_in(render: dict[str, Any], generate: dict[str, Any],
+             seen: list[tuple[str, dict[str, Any]]]) -> httpx.MockTransport:
+    """A server with vLLM's token-in API (``--enable-scale-out``): the captured render, then
+    the captured generate answer."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        body = orjson.loads(request.content) if request.content else {}
+        seen.append((request.url.path, body))
+        captured = {"/v1/completions/render": render,
+                    "/inference/v1/generate": generate}[request.url.path]
+        return httpx.Response(captured["status"], content=orjson.dumps(captured["response"]),
+                              headers={"content-type": "application/json"})
+
+    return httpx.MockTransport(handle)
+
+
+@pytest.mark.parametrize("name", ["generate_text_n2.json",
+                                  "generate_text_version_switch.json"])
+async def test_completions_go_token_in_where_the_server_can_and_carry_its_weight_spans(
+    name: str,
+) -> None:
+    render, generate = fixture("completions_render.json"), fixture(name)
+    seen: list[tuple[str, dict[str, Any]]] = []
+    async with pool_for(token_in(render, generate, seen)) as pool:
+        samples = await pool.complete([5, 6, 7], n=2, params=SamplingParams(max_tokens=6))
+    assert [path for path, _ in seen] == ["/v1/completions/render", "/inference/v1/generate"]
+    assert seen[0][1]["prompt"] == [5, 6, 7] and seen[0][1]["n"] == 2
+    assert seen[1][1]["output_mode"] == "text"  # the rendered request, asking for text
+    assert seen[1][1]["token_ids"] == render["response"][0]["token_ids"]
+    for sample, choice in zip(samples, generate["response"]["choices"], strict=True):
+        assert sample.prompt_ids == [5, 6, 7]
+        assert sample.completion_ids == choice["token_ids"]
+        assert sample.logprobs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        assert sample.text == choice["text"]
+        spans = choice["weight_versions"]
+        assert [(s.version, s.start, s.end) for s in sample.weight_versions or ()] == [
+            (s["version"], s["start"], s["end"]) for s in spans]
+        # "default" (no sync reached the server yet) is the version read before the call
+        versions = sample.versions(4)
+        expected = [4 if s["version"] == "default" else int(s["version"])
+                    for s in spans for _ in range(s["end"] - s["start"])]
+        assert versions == expected
+        completion = sample.to_completion(4)
+        assert completion.policy_version == expected[0]
+        assert (completion.token_versions is None) == (len(set(expected)) == 1)
+
+
+def test_weight_spans_that_do_not_tile_the_output_are_a_response_error() -> None:
+    choice = fixture("generate_text_n2.json")["response"]["choices"][0]
+    count = len(choice["token_ids"])
+    for spans in ([{"version": "1", "start": 1, "end": count}],
+                  [{"version": "1", "start": 0, "end": count - 1}],
+                  [{"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 3,
+                                                            "end": count}],
+                  "1"):
+        with pytest.raises(InferenceResponseError, match="weight_versions"):
+            parse_generate({"choices": [{**choice, "weight_versions": spans}]}, [1])
+
+
+async def test_a_refused_render_that_is_not_a_missing_api_is_the_requests_error() -> None:
+    render = {"status": 404, "response": {"error": {
+        "message": "The model `nope` does not exist.", "type": "NotFoundError",
+        "param": "model", "code": 404}}}
+    seen: list[tuple[str, dict[str, Any]]] = []
+    async with pool_for(token_in(render, render, seen)) as pool:
+        with pytest.raises(InferenceRequestError, match="does not exist"):
+            await pool.complete("hi", params=SamplingParams(max_tokens=2))
+        assert pool.servers[0].generate_api is None  # still unknown: asked again next time

@@ -132,22 +132,10 @@ class CaptureHub:
 
     async def dispatch(self, method: str, path: str, content: bytes | None) -> GatewayReply:
         """Answer one request (module docstring); never raises for a bad request."""
-        try:
-            body = orjson.loads(content) if content else {}
-            if not isinstance(body, dict):
-                raise ValueError("the body is not a JSON object")
-        except ValueError as exc:
-            return _error(400, f"invalid JSON body: {exc}", "invalid_request_error")
-        try:
-            return await self._route(method, path.rstrip("/"), body)
-        except EpisodeClosed as exc:
-            return _error(404, str(exc), "not_found_error")
-        except InferenceRequestError as exc:
-            return _error(exc.status, exc.server_message, "invalid_request_error", exc.param)
-        except InferenceUnavailable as exc:
-            return _error(503, f"inference unavailable: {exc}", "service_unavailable")
-        except ContractError as exc:
-            return _error(502, str(exc), "upstream_error")
+        body = json_body(content)
+        if isinstance(body, GatewayReply):
+            return body
+        return await answered(self._route(method, path.rstrip("/"), body))
 
     async def _route(self, method: str, path: str, body: dict[str, Any]) -> GatewayReply:
         parts = path.strip("/").split("/")
@@ -169,26 +157,61 @@ class CaptureHub:
                                        self.get(parts[1]))
         elif parts[0] == "v1":
             return await self._api(method, path, body, None)
-        return _error(404, f"no route {method} {path}", "not_found_error")
+        return error_reply(404, f"no route {method} {path}", "not_found_error")
 
     async def _api(self, method: str, path: str, body: dict[str, Any],
                    capture: EpisodeCapture | None) -> GatewayReply:
         if method == "GET" and path == "/v1/models":
-            info = await self.upstream.pool.model_info()
-            return GatewayReply(body={"object": "list", "data": [{
-                "id": info.name, "object": "model", "created": 0, "owned_by": "rollq",
-                "max_model_len": info.max_model_len}]})
+            return await models_reply(self.upstream)
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
-            return _error(404, f"no route {method} {path}", "not_found_error")
+            return error_reply(404, f"no route {method} {path}", "not_found_error")
         session = capture or EpisodeCapture(self.upstream, defaults=self.defaults,
                                             tool_parser=self.tool_parser)
         chat = path == "/v1/chat/completions"
         reply = await (session.chat(body) if chat else session.complete(body))
-        if not body.get("stream"):
-            return GatewayReply(body=reply)
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return GatewayReply(events=stream_events(reply, chat=chat, include_usage=usage),
-                            headers={"content-type": "text/event-stream"})
+        return reply_of(body, reply, chat=chat)
+
+
+def json_body(content: bytes | None) -> dict[str, Any] | GatewayReply:
+    """A request's JSON object (none: ``{}``), or the 400 reply for a body that is not one."""
+    try:
+        body = orjson.loads(content) if content else {}
+        if not isinstance(body, dict):
+            raise ValueError("the body is not a JSON object")
+    except ValueError as exc:
+        return error_reply(400, f"invalid JSON body: {exc}", "invalid_request_error")
+    return body
+
+
+async def answered(work: Awaitable[GatewayReply]) -> GatewayReply:
+    """``work``'s reply, or the error reply of what it raised (module docstring)."""
+    try:
+        return await work
+    except EpisodeClosed as exc:
+        return error_reply(404, str(exc), "not_found_error")
+    except InferenceRequestError as exc:
+        return error_reply(exc.status, exc.server_message, "invalid_request_error", exc.param)
+    except InferenceUnavailable as exc:
+        return error_reply(503, f"inference unavailable: {exc}", "service_unavailable")
+    except ContractError as exc:
+        return error_reply(502, str(exc), "upstream_error")
+
+
+async def models_reply(upstream: Upstream) -> GatewayReply:
+    """``GET /v1/models``: the one model served."""
+    info = await upstream.pool.model_info()
+    return GatewayReply(body={"object": "list", "data": [{
+        "id": info.name, "object": "model", "created": 0, "owned_by": "rollq",
+        "max_model_len": info.max_model_len}]})
+
+
+def reply_of(body: dict[str, Any], reply: dict[str, Any], *, chat: bool) -> GatewayReply:
+    """A call's reply as the agent asked for it: one JSON body, or server-sent events."""
+    if not body.get("stream"):
+        return GatewayReply(body=reply)
+    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return GatewayReply(events=stream_events(reply, chat=chat, include_usage=usage),
+                        headers={"content-type": "text/event-stream"})
 
 
 def stream_events(reply: dict[str, Any], *, chat: bool,
@@ -241,6 +264,8 @@ def _event(chunk: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> GatewayReply:
+def error_reply(status: int, message: str, kind: str,
+                param: str | None = None) -> GatewayReply:
+    """An error in OpenAI's shape."""
     return GatewayReply(status=status, body={"error": {
         "message": message, "type": kind, "param": param, "code": status}})

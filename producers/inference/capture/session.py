@@ -190,6 +190,12 @@ class EpisodeCapture:
             policy_version=version, token_in=drift, text_drift=drift))
         return public_reply(reply, request, route="completions")
 
+    def resume(self, calls: list[CapturedCall]) -> None:
+        """Continue after ``calls`` made earlier (kept elsewhere: a session in Redis that
+        another gateway process served): continuations splice onto them."""
+        self.calls = list(calls)
+        self._counter = itertools.count(len(self.calls))
+
     def close(self) -> CapturedEpisode:
         """End the episode: no call is accepted afterwards; its sequences and counters."""
         self.closed = True
