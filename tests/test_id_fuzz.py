@@ -6,7 +6,8 @@ The scripts that take entry ids or refs: the trim (``consumers.bus.trimming``: g
 and the ``traj`` refs of scored entries), the orphan take (``consumers.bus.orphans``), the
 settle scripts (``consumers.bus.settle``: ack-and-count, ack-or-undo) and the requeue claim
 (``ops.dead``: a letter's ``traj`` ref). The others take no ids (feeder cursor and lease,
-trainer version and seen-set, Atropos post, consumer housekeeping, API lock).
+trainer version and seen-set, Atropos post, consumer housekeeping, API lock, the gateway
+sessions' open, record, close, end and admission take: they XADD with ``*`` only).
 
 A ref comes from an entry's bytes, so anything goes: the extremes of the id space, ids just
 past it, and seeded random strings. Each must end as it should (kept when it names an
