@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import structlog
 
 from consumers.bus import Delivery, StreamReader
-from schemas import Fields
+from schemas import ConfigError, Fields
 from schemas.failures import Kind, Verdict, classify, decide
 
 log = structlog.get_logger("rollq.stage")
@@ -85,7 +85,11 @@ class Stage:
         """Failures left pending for a retry (each try counts once)."""
 
     def _settle(self, delivery: Delivery, exc: Exception) -> Verdict | None:
-        """The verdict for a delivery that failed: None (left pending) or a dead letter."""
+        """The verdict for a delivery that failed: None (left pending) or a dead letter.
+        A configuration error (Redis refused the user a key, a certificate) is the role's,
+        not the entry's: it is raised, and the entry stays pending for a fixed role."""
+        if isinstance(exc, ConfigError):
+            raise exc
         verdict = decide(exc, attempt=delivery.deliveries,
                          max_attempts=self.reader.settings.max_deliveries,
                          retry_unexpected=False)

@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=os.environ.get("ROLLQ_REDIS_URL",
                                                               "redis://127.0.0.1:6379/0"))
     parser.add_argument("--run", default=os.environ.get("ROLLQ_RUN", "default"))
+    parser.add_argument("--redis-ca-file", help="rediss://: CA bundle of the server's "
+                        "certificate [ROLLQ_REDIS_CA_FILE]")
+    parser.add_argument("--redis-cert-file", help="rediss://: client certificate, for "
+                        "servers that require one [ROLLQ_REDIS_CERT_FILE]")
+    parser.add_argument("--redis-key-file", help="rediss://: the client certificate's key "
+                        "[ROLLQ_REDIS_KEY_FILE]")
     parser.add_argument("--model", required=True, help="initial model directory (HF layout)")
     parser.add_argument("--inference", default=os.environ.get("ROLLQ_INFERENCE", ""),
                         help="vLLM base URLs to publish weights to, comma-separated")
@@ -301,14 +307,19 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
                                      max_staleness=args.max_staleness, inference_urls=urls,
                                      weight_sync=args.weight_sync, transfer_backend=backend,
-                                     wait_log_s=args.wait_log_s)
+                                     wait_log_s=args.wait_log_s,
+                                     redis_ca_file=args.redis_ca_file,
+                                     redis_cert_file=args.redis_cert_file,
+                                     redis_key_file=args.redis_key_file)
     metrics = open(args.metrics, "a") if args.metrics else None
     with SyncTrainerClient(args.redis_url, run=args.run, consumer=args.consumer,
                            settings=settings) as client:
         if args.metrics_port is not None:  # steps, staleness, consumed + the run's series
             from ops.role_metrics import serve_trainer_metrics
 
-            serve_trainer_metrics(client.client, args.metrics_port, redis_url=args.redis_url)
+            serve_trainer_metrics(client.client, args.metrics_port, redis_url=args.redis_url,
+                                  redis_options=settings.redis_tls(os.environ).options(
+                                      args.redis_url))
         step = 0
         if args.resume and checkpoint.exists():
             saved = torch.load(checkpoint, weights_only=False)

@@ -21,6 +21,7 @@ from ops.invocation import Exit, Handler, add_common_flags
 from ops.logging import say_error, uses_json
 from ops.settings import CommonSettings, redact_url
 from schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
+from schemas.errors import tls_failure, tls_refused
 from schemas.failures import describe
 from schemas.heap import freeze_after_startup
 
@@ -91,6 +92,9 @@ def explain(exc: BaseException, args: argparse.Namespace,
                       redis_errors.NoPermissionError) for e in _chain(exc)):
         return Exit.CONFIG, (f"Redis at {redis_url} refused the credentials or the command: "
                              f"{_cause(exc)}; check the URL's user and password and the ACL")
+    failure = tls_failure(exc)
+    if failure is not None:  # before the outage: a certificate is a setting to fix
+        return Exit.CONFIG, f"Redis at {redis_url}: {tls_refused(failure)}"
     if isinstance(exc, BrokerUnavailable | redis_errors.ConnectionError |
                   redis_errors.TimeoutError | ConnectionError):
         return Exit.UNAVAILABLE, (

@@ -33,6 +33,8 @@ import redis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
 
+from schemas.errors import refusals_named
+
 WRITE_COMMANDS = frozenset({
     "XADD", "XACK", "XTRIM", "XDEL", "XGROUP", "HSET", "HSETNX", "HINCRBY", "HDEL", "SET",
     "DEL", "UNLINK", "SADD", "SREM", "EXPIRE", "PEXPIRE", "INCR", "INCRBY", "DECR", "DECRBY",
@@ -139,7 +141,8 @@ class ClusterClient(RedisCluster):
         await self.nodes_manager.aclose("startup_nodes")
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        with _outage_errors():
+        user = self.nodes_manager.connection_kwargs.get("username")
+        with refusals_named(user, args), _outage_errors():
             if (self.wait_replicas and "target_nodes" not in kwargs
                     and str(args[0]).upper() in WRITE_COMMANDS):
                 command = PipelineCommand(0, *args, **kwargs)

@@ -23,7 +23,7 @@ from ops.status import RunNotFound, collect_status, known_runs, render_status
 from ops.tail import printer
 from schemas import ConfigError
 from schemas.keys import STREAM_NAMES, stream_keys
-from schemas.outage import OutageRider
+from schemas.outage import OutageRider, StoppedDuringOutage
 
 
 async def _run_exists(redis: Any, run: str) -> tuple[bool, list[str]]:
@@ -59,13 +59,16 @@ async def status(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         previous = None
         # --watch rides out Redis restarts like every long-running role; one shot does not.
         rider = OutageRider(give_up_s=settings.redis_give_up_s if args.watch else 0.0,
-                            what="status", log=structlog.get_logger("rollq.status"))
+                            what="status", log=structlog.get_logger("rollq.status"),
+                            stop=stop)
         while True:
             try:
                 current = await rider.call(lambda: collect_status(redis, settings.run,
                                                                   queue=queue))
             except RunNotFound:
                 return _not_found(settings.run, await known_runs(redis))
+            except StoppedDuringOutage:
+                return Exit.OK
             if args.json:
                 print(json.dumps(current.as_dict(), default=str))
             else:

@@ -13,7 +13,8 @@ Two planes (README "Scaling past one Redis node"):
 (``redis_ca_file``, ``redis_cert_file``, ``redis_key_file``; ``redis_tls_verify``), and the
 URL's user and password log in as an ACL user. ``redis_options`` is the keyword arguments
 redis-py takes for them; the worker pool hands the same options to arq, whose own URL parser
-would drop them.
+would drop them. The same options can ride in the URL's query (``?ssl_ca_certs=…``):
+every connection honours them alike (``schemas.tls``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import redis.asyncio as aioredis
 from ops.cluster import ClusterClient
 from ops.settings import CommonSettings
 from schemas import ConfigError
+from schemas.errors import refusals_named
+from schemas.tls import RedisTls
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """rollq's URL schemes for a Redis Cluster, and the plain scheme of their nodes."""
@@ -36,21 +39,28 @@ def is_cluster_url(url: str) -> bool:
     return urlsplit(url).scheme in CLUSTER_SCHEMES
 
 
+def redis_tls(settings: CommonSettings) -> RedisTls:
+    """The settings' TLS files and verification (``redis_ca_file`` and friends)."""
+    return RedisTls(ca_file=settings.redis_ca_file, cert_file=settings.redis_cert_file,
+                    key_file=settings.redis_key_file, verify=settings.redis_tls_verify)
+
+
 def redis_options(settings: CommonSettings, url: str | None = None) -> dict[str, Any]:
     """redis-py keyword arguments for the settings' TLS options (empty for plain TCP), for
-    ``url`` (default: ``redis_url``)."""
-    url = settings.redis_url if url is None else url
-    if not url.startswith(("rediss://", "rediss+cluster://")):
-        return {}
-    options: dict[str, Any] = {"ssl_cert_reqs": "required" if settings.redis_tls_verify
-                               else "none"}
-    if settings.redis_ca_file is not None:
-        options["ssl_ca_certs"] = str(settings.redis_ca_file)
-    if settings.redis_cert_file is not None:
-        options["ssl_certfile"] = str(settings.redis_cert_file)
-    if settings.redis_key_file is not None:
-        options["ssl_keyfile"] = str(settings.redis_key_file)
-    return options
+    ``url`` (default: ``redis_url``); the URL's own ``ssl_*`` query options, which redis-py
+    reads itself, are checked here (``schemas.tls``)."""
+    return redis_tls(settings).options(settings.redis_url if url is None else url)
+
+
+class RefusalNamingRedis(aioredis.Redis):
+    """A redis-py client whose refused commands (ACL ``NOPERM``, ``WRONGPASS``) raise
+    ``AccessRefused`` naming the user, the command and its keys: Redis's own text names
+    none of them, and a refusal must end the role (exit 78), not be ridden out."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        with refusals_named(self.connection_pool.connection_kwargs.get("username"), args):
+            return await super().execute_command(  # type: ignore[no-untyped-call]
+                *args, **options)  # (redis-py leaves it untyped)
 
 
 def open_redis(settings: CommonSettings, **extra: Any) -> aioredis.Redis:
@@ -66,7 +76,7 @@ def open_url(url: str, settings: CommonSettings | None = None, **extra: Any) -> 
                **(redis_options(settings, url) if settings else {}), **extra}
     scheme = urlsplit(url).scheme
     if scheme not in CLUSTER_SCHEMES:
-        plain: aioredis.Redis = aioredis.Redis.from_url(url, **options)
+        plain: aioredis.Redis = RefusalNamingRedis.from_url(url, **options)
         return plain
     node_url = CLUSTER_SCHEMES[scheme] + url[len(scheme):]
     cluster = ClusterClient.from_url(node_url, **options)

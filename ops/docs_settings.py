@@ -78,8 +78,9 @@ SECTIONS = (
             "The capturing OpenAI-compatible gateway for agents with their own client."),
     Section("Trainer SDK (`TrainerClientSettings`)", TrainerClientSettings, None, (),
             "The trainer is the user's process, not a rollq role: these fields are set in "
-            "code, `TrainerClientSettings(...)`, with no environment variable or config "
-            "file."),
+            "code, `TrainerClientSettings(...)`, with no config file; only the four "
+            "`redis_*` TLS fields, left at None, fall back to the roles' `ROLLQ_REDIS_*` "
+            "variables (`SyncTrainerClient` given a URL; [TLS to Redis](../tls.md))."),
 )
 
 HEADER = """\

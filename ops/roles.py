@@ -17,19 +17,26 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from consumers.bus import StreamReader, translated_errors, trim_streams
+from consumers.bus import StreamReader, trim_streams
 from consumers.housekeeping import forget_idle_consumers, trim_dead
 from consumers.scorer.bridge import RewardBridge
 from consumers.scorer.config import RewardConfig
 from consumers.scorer.consumer import Scorer, config_fingerprint
 from consumers.stage import Stage
 from consumers.trainer.client import TRAINER_GROUP
-from ops.connections import open_redis, queue_options, queue_url, redis_options
+from ops.connections import (
+    open_queue_redis,
+    open_redis,
+    queue_options,
+    queue_url,
+    redis_options,
+)
 from ops.looplag import LoopLagMonitor
 from ops.role_metrics import feeder_metrics, worker_metrics
 from ops.settings import (
@@ -41,6 +48,7 @@ from ops.settings import (
 )
 from ops.status import known_runs
 from ops.watchdog import RunWatchdog, watching
+from ops.watching import Watched, probe_command, ride_out
 from producers.envs.base import Env
 from producers.envs.registry import make_env
 from producers.feeder import Feeder, FeedPlan
@@ -48,11 +56,18 @@ from producers.inference import SamplingParams
 from producers.inference.served import check_served
 from producers.order import record_seed
 from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout, requeue_rollout
-from schemas import BrokerUnavailable
+from producers.worker import (
+    build_worker,
+    connect_queue,
+    enqueue_rollout,
+    queue_name,
+    requeue_rollout,
+)
+from schemas import BrokerUnavailable, ConfigError
+from schemas.errors import REFUSALS, access_refused
 from schemas.heap import startup_done
 from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
-from schemas.outage import OutageRider
+from schemas.outage import OutageRider, StoppedDuringOutage
 
 if TYPE_CHECKING:
     from ops.metrics import RoleMetrics
@@ -123,7 +138,8 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                 return stage
             await reader.ensure_groups()
             trimmed_at = time.monotonic()
-            rider = OutageRider(give_up_s=settings.redis_give_up_s, what="scorer", log=log)
+            rider = OutageRider(give_up_s=settings.redis_give_up_s, what="scorer", log=log,
+                                stop=stop)
 
             async def step() -> None:
                 nonlocal trimmed_at
@@ -149,9 +165,12 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                         existed=existed)):
                 while not stop.is_set():
                     outages = rider.outages
-                    await rider.call(step)
-                    if rider.outages > outages:  # what was in hand when Redis went: now
-                        await rider.call(lambda: own_pending(reader, stage))
+                    try:
+                        await rider.call(step)
+                        if rider.outages > outages:  # what was in hand when Redis went: now
+                            await rider.call(lambda: own_pending(reader, stage))
+                    except StoppedDuringOutage:
+                        break  # what was in hand stays pending for the next scorer
             log.info("scorer_stopped", forwarded=stage.forwarded, dropped=stage.dropped,
                      dead_lettered=stage.dead_lettered)
             return stage
@@ -232,8 +251,9 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
 
     SIGINT/SIGTERM stop it gracefully: no new job is taken, jobs in hand get the grace
     period to finish, and the rest are cancelled, which puts them back in the queue (arq
-    re-runs a cancelled job). A Redis outage is ridden out (``OutageRider``): the pool
-    starts polling again once Redis answers.
+    re-runs a cancelled job). A Redis outage is ridden out, each server on its own
+    (``ops.watching``: the queue's and the data plane's): the pool starts polling again once
+    the server that failed answers; a stop during the outage ends it at once.
     """
     extra = dict(settings.sampling_options)
     typed = {key: extra.pop(key) for key in ("top_k", "seed", "stop") if key in extra}
@@ -252,25 +272,41 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         result_ttl_s=settings.job_result_ttl_s, redis_options=queue_options(settings),
         max_entry_bytes=settings.max_entry_bytes,
         grace_s=settings.grace_s,
-        burst=burst, transport=transport,
+        burst=burst, transport=transport, on_refused=lambda exc: refuse(exc),
     )
     stopping = asyncio.Event()
+    refused: list[ConfigError] = []
+
+    def refuse(exc: ConfigError) -> None:  # a job met a setting to fix: stop, then exit 78
+        if not refused:
+            refused.append(exc)
+            _stop_worker(worker, stopping, signal.SIGTERM, reason="configuration_error")
+
     if not burst:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop_worker, worker, stopping, sig)
-    rider = OutageRider(give_up_s=settings.redis_give_up_s, what="workers", log=log)
-    probe = open_redis(settings, socket_connect_timeout=2)
+    data = open_redis(settings, socket_connect_timeout=2)
+    queue = open_queue_redis(settings, socket_connect_timeout=2)
+    watched = [  # arq's loop polls the queue: its server first
+        Watched(OutageRider(give_up_s=settings.redis_give_up_s, what="workers", log=log,
+                            stop=stopping, connection="queue"),
+                probe_command(queue, "ZCARD", queue_name(settings.run))),
+        Watched(OutageRider(give_up_s=settings.redis_give_up_s, what="workers", log=log,
+                            stop=stopping, connection="data"),
+                probe_command(data, "HGET", state_key(settings.run), PARTITIONS_FIELD)),
+    ]
     try:
-        await _ping(probe)  # at start-up Redis must answer at once (exit 69 otherwise)
-        existed = settings.run in await known_runs(probe)
+        for connection in watched:  # at start-up both must answer at once (exit 69 otherwise)
+            await connection.probe()
+        existed = settings.run in await known_runs(data)
         if not await _inference_checked(settings, stopping, transport):
             log.info("workers_stopped", jobs_complete=0, jobs_retried=0)
             return
         async with LoopLagMonitor("workers") as lag, serve_metrics(
                 settings, "workers", lag,
                 worker_metrics(worker, settings.concurrency, settings.inference)), watching(
-                    RunWatchdog(probe, settings.run, "workers",
+                    RunWatchdog(data, settings.run, "workers",
                                 stall_s=settings.stall_warning_s, existed=existed)):
             while True:
                 try:
@@ -280,15 +316,25 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                     if stopping.is_set():
                         log.info("workers_stopped", jobs_complete=worker.jobs_complete,
                                  jobs_retried=worker.jobs_retried)
+                        if refused:
+                            raise refused[0] from None
                         return
                     raise
+                except REFUSALS as exc:  # before ConnectionError: AuthenticationError is one
+                    raise access_refused(exc, user=urlsplit(queue_url(settings)).username
+                                         ) from exc
                 except (BrokerUnavailable, redis_errors.ConnectionError,
                         redis_errors.TimeoutError, redis_errors.WatchError, OSError) as exc:
                     # WatchError: arq's job pick-up WATCHes keys, and redis-py reports a
                     # connection lost during that WATCH as one
-                    await rider.failed(exc if isinstance(exc, BrokerUnavailable) else
-                                       BrokerUnavailable(f"redis unavailable: {exc!r}"))
-                    await rider.call(lambda: _ping(probe))
+                    try:
+                        await ride_out(exc if isinstance(exc, BrokerUnavailable) else
+                                       BrokerUnavailable(f"redis unavailable: {exc!r}"), watched)
+                    except StoppedDuringOutage:
+                        await _finish_jobs_in_hand(worker, settings.grace_s)
+                        log.info("workers_stopped", jobs_complete=worker.jobs_complete,
+                                 jobs_retried=worker.jobs_retried, during_outage=True)
+                        return
     finally:
         try:
             await worker.close()
@@ -299,7 +345,8 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
             if task is not None and task.cancelling():
                 raise
             # else: a job task the shutdown cancelled; arq puts the job back in the queue
-        await probe.aclose()
+        await data.aclose()
+        await queue.aclose()
 
 
 async def _inference_checked(settings: WorkerSettings, stopping: asyncio.Event,
@@ -325,17 +372,22 @@ async def _inference_checked(settings: WorkerSettings, stopping: asyncio.Event,
     return True
 
 
-def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals) -> None:
+async def _finish_jobs_in_hand(worker: Any, grace_s: float) -> None:
+    """A stop during an outage: the jobs in hand get the grace period, as in any stop (the
+    rest are cancelled by ``worker.close``, which leaves them in arq's queue)."""
+    running = [task for task in worker.tasks.values() if not task.done()]
+    if running:
+        await asyncio.wait(running, timeout=grace_s)
+
+
+def _stop_worker(worker: Any, stopping: asyncio.Event, sig: signal.Signals,
+                 reason: str | None = None) -> None:
     if stopping.is_set():
         return
     stopping.set()
-    log.info("workers_stopping", signal=sig.name)
+    log.info("workers_stopping", **({"signal": sig.name} if reason is None else
+                                    {"reason": reason}))
     worker.handle_sig_wait_for_completion(sig)
-
-
-async def _ping(redis: aioredis.Redis) -> None:
-    async with translated_errors("connecting"):
-        await redis.ping()
 
 
 async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
@@ -358,7 +410,8 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
 
         log.info("feeder_started", run=settings.run, env=env.name, items=len(env),
                  epochs=settings.epochs)
-        rider = OutageRider(give_up_s=settings.redis_give_up_s, what="feeder", log=log)
+        rider = OutageRider(give_up_s=settings.redis_give_up_s, what="feeder", log=log,
+                            stop=stop)
         feeder = Feeder(redis, settings.run, plan, enqueue, requeue=requeue,
                         trip_after=settings.breaker_failures)
         startup_done()

@@ -29,7 +29,9 @@ cursor never jumps a position nobody enqueued.
 
 A failing enqueue or commit (Redis away, or a write refused: OOM, READONLY during a
 failover) raises ``BrokerUnavailable``; the loop logs it and tries again with back-off
-(``OutageRider``) from the cursor, which has not moved past the failed position.
+(``OutageRider``) from the cursor, which has not moved past the failed position. A refusal
+of the user (ACL ``NOPERM``, bad credentials) raises ``AccessRefused`` instead: a setting
+to fix, which ends the feeder at once (exit 78) instead of being waited out.
 
 Requeued jobs (``rollq dead requeue``) wait in the partitions' readmit lists; the budget
 does not count them in flight, and each admission check spends it on them first, ahead of
@@ -53,7 +55,7 @@ from producers.admission import admit, outstanding
 from producers.worker import parse_job_id
 from schemas import BrokerUnavailable, breaker
 from schemas.breaker import Tripped
-from schemas.errors import translated_errors
+from schemas.errors import REFUSALS, access_refused, translated_errors
 from schemas.keys import (
     ADMITTED_FIELD,
     PARTITIONS_FIELD,
@@ -64,7 +66,7 @@ from schemas.keys import (
     state_key,
     sum_counters,
 )
-from schemas.outage import OutageRider
+from schemas.outage import OutageRider, StoppedDuringOutage
 
 log = structlog.get_logger("rollq.feeder")
 CURSOR_FIELD = "cursor"
@@ -201,6 +203,9 @@ class Feeder:
         returns how many it admitted."""
         try:
             return await self._feed_once()
+        except REFUSALS as exc:  # an ACL refusal or bad credentials: a setting, not an outage
+            user = self.redis.connection_pool.connection_kwargs.get("username")
+            raise access_refused(exc, user=user) from exc
         except (redis_errors.RedisError, OSError) as exc:  # refused writes too: OOM, READONLY
             raise BrokerUnavailable(f"redis unavailable while admitting jobs: "
                                     f"{type(exc).__name__}: {exc}") from exc
@@ -291,13 +296,17 @@ class Feeder:
     async def run_until(self, stop: asyncio.Event, poll_s: float,
                         rider: OutageRider | None = None) -> None:
         """Feed until the dataset's epochs are all admitted or ``stop`` is set; Redis
-        outages are ridden out by ``rider`` (default: fail at once)."""
+        outages are ridden out by ``rider`` (default: fail at once), which ends them early
+        when it was given ``stop``."""
         rider = rider or OutageRider(give_up_s=0.0, what="feeder", log=log)
         while not stop.is_set():
-            await rider.call(self.feed_once)
-            if await rider.call(self.finished):
-                log.info("feeder_finished", total=self.plan.total)
-                return
+            try:
+                await rider.call(self.feed_once)
+                if await rider.call(self.finished):
+                    log.info("feeder_finished", total=self.plan.total)
+                    return
+            except StoppedDuringOutage:
+                return  # the cursor has not moved past what was not committed
             try:
                 await asyncio.wait_for(stop.wait(), poll_s)
             except TimeoutError:

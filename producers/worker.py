@@ -67,11 +67,13 @@ from producers.envs.base import Env
 from producers.inference import InferencePool, SamplingParams
 from producers.publisher import Publisher
 from producers.rollout import PolicyVersionSource, RolloutRunner
-from schemas import BrokerUnavailable
+from schemas import BrokerUnavailable, ConfigError
 from schemas.breaker import record_failure, record_success
+from schemas.errors import refusals_named
 from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
 from schemas.heap import startup_done
 from schemas.keys import run_key
+from schemas.tls import url_tls_options
 
 log = structlog.get_logger("rollq.worker")
 JOB_FUNCTION = "rollout"
@@ -113,9 +115,10 @@ def _deserialize(value: bytes) -> Any:
 def queue_settings(redis_url: str, options: Mapping[str, Any] | None = None) -> RedisSettings:
     """arq's connection settings: its DSN parser keeps the user, password and ``rediss``
     scheme but drops TLS files, so the redis-py ``options`` (``ssl_ca_certs``,
-    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``) are set on it explicitly."""
+    ``ssl_certfile``, ``ssl_keyfile``, ``ssl_cert_reqs``) are set on it explicitly, and the
+    URL's own ``ssl_*`` query options over them (as redis-py does for its clients)."""
     settings = RedisSettings.from_dsn(redis_url)
-    for name, value in (options or {}).items():
+    for name, value in {**(options or {}), **url_tls_options(redis_url)}.items():
         if name.startswith("ssl_"):
             setattr(settings, name, value)
     return settings
@@ -135,9 +138,12 @@ async def enqueue_rollout(queue: ArqRedis, run: str, env: str, position: int, *,
     The job carries the env's name and, from a feeder, its item count, so a worker whose
     env differs (feed and workers started with another ``--env`` or ``--env-option``)
     dead-letters the job instead of rolling out another item under its id."""
-    job = await queue.enqueue_job(JOB_FUNCTION, position, env=env, items=items,
-                                  _job_id=job_id(run, env, position),
-                                  _queue_name=queue_name(run))
+    with refusals_named(queue.connection_pool.connection_kwargs.get("username"),
+                        ("arq-enqueue", queue_name(run),
+                         job_key_prefix + job_id(run, env, position))):
+        job = await queue.enqueue_job(JOB_FUNCTION, position, env=env, items=items,
+                                      _job_id=job_id(run, env, position),
+                                      _queue_name=queue_name(run))
     return job is not None
 
 
@@ -150,6 +156,9 @@ OUTCOMES = "rollq_outcomes"
 """Key of the worker's ``ctx``: a ``Counter`` of how its jobs ended, ``PUBLISHED`` or
 ``DEAD_LETTERED`` (arq gives each job a copy of ``ctx``; the counter is shared)."""
 PUBLISHED, DEAD_LETTERED = "published", "dead_lettered"
+ON_REFUSED = "rollq_on_refused"
+"""Key of the worker's ``ctx``: called with a ``ConfigError`` a job met (``build_worker``'s
+``on_refused``)."""
 HEALTH_KEY = "workers:health:"
 """``run_key(run, HEALTH_KEY + name)``: arq's health record of one worker process,
 ``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
@@ -187,6 +196,8 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
                 # the job back in the queue; the try it took is given back.
                 await asyncio.shield(_uncount_try(ctx))
                 raise
+            except ConfigError as exc:
+                raise await _refused(ctx, exc) from exc
             except Exception as exc:
                 if isinstance(exc, TimeoutError) and deadline.expired():
                     exc = _ran_past(timeout_s, exc)
@@ -202,6 +213,8 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
                     log.error("rollout_failed", exc_info=exc)
         try:
             await _give_up(runner, group_id, verdict)
+        except ConfigError as exc:  # the dead letter refused: the role's error, not the job's
+            raise await _refused(ctx, exc) from exc
         except BrokerUnavailable as exc:  # arq must not record the job as failed: retry
             defer = backoff_s(try_number, base_s=retry_base_s)
             log.warning("rollout_dead_letter_deferred", reason=verdict.reason,
@@ -217,6 +230,18 @@ def _ran_past(timeout_s: float, cause: BaseException) -> TimeoutError:
     error = TimeoutError(f"the try ran past the {timeout_s:g} s job timeout")
     error.__cause__ = cause
     return error
+
+
+async def _refused(ctx: dict[str, Any], exc: ConfigError) -> Retry:
+    """A try that met a configuration error (Redis refused the user a command or a key, a
+    certificate): neither the job's failure nor a dead letter. The job goes back to the
+    queue (its try given back) and the pool is told to stop (``on_refused``: exit 78)."""
+    log.error("rollout_refused", error=str(exc))
+    await asyncio.shield(_uncount_try(ctx))
+    on_refused: Callable[[ConfigError], None] | None = ctx.get(ON_REFUSED)
+    if on_refused is not None:
+        on_refused(exc)
+    return Retry(defer=ctx.get("retry_base_s", 1.0))
 
 
 async def _uncount_try(ctx: dict[str, Any]) -> None:
@@ -281,12 +306,15 @@ def build_worker(
     transport: Any = None,
     name: str | None = None,
     open_data: Callable[[], aioredis.Redis] | None = None,
+    on_refused: Callable[[ConfigError], None] | None = None,
 ) -> Worker:
     """An arq ``Worker`` that runs rollout jobs of ``run``; ``await worker.main()`` runs it,
     ``burst=True`` returns once the queue is empty (tests).
 
     ``redis_url`` (with ``redis_options``) is arq's queue; the groups go to the client
-    ``open_data`` makes (default: one on ``redis_url``), e.g. a Redis Cluster's."""
+    ``open_data`` makes (default: one on ``redis_url``), e.g. a Redis Cluster's.
+    ``on_refused`` is called when a job meets a configuration error (the pool should stop:
+    no job can succeed until the setting is fixed)."""
 
     async def startup(ctx: dict[str, Any]) -> None:
         if "runner" in ctx:  # arq runs on_startup on every main(); keep the first clients
@@ -309,6 +337,7 @@ def build_worker(
             max_tries=max_tries,
             job_timeout_s=job_timeout_s,
             retry_base_s=retry_base_s,
+            rollq_on_refused=on_refused,
             runner=RolloutRunner(run=run, env=env_factory(), pool=pool, publisher=publisher,
                                  sampling=sampling, group_size=group_size,
                                  versions=PolicyVersionSource(redis, run)),

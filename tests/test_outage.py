@@ -6,7 +6,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from schemas import BrokerUnavailable
-from schemas.outage import OutageRider
+from schemas.outage import OutageRider, StoppedDuringOutage
 
 
 class Flaky:
@@ -62,3 +62,70 @@ async def test_other_errors_pass_through() -> None:
 
     with pytest.raises(ValueError):
         await guard.call(broken)
+
+
+async def test_a_stop_during_an_outage_ends_the_back_off_at_once() -> None:
+    import asyncio
+
+    import structlog
+
+    stop = asyncio.Event()
+    guard = OutageRider(give_up_s=300.0, what="test", log=structlog.get_logger("t"),
+                        base_s=30.0, cap_s=30.0, stop=stop)
+
+    async def always_down() -> None:
+        raise BrokerUnavailable("down")
+
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    with capture_logs() as logs, pytest.raises(StoppedDuringOutage):
+        await asyncio.wait_for(guard.call(always_down), 5)  # not the 30 s back-off
+    assert [entry["event"] for entry in logs] == ["redis_outage_started",
+                                                  "redis_outage_stopped"]
+    assert guard.down_since is None
+
+
+async def test_a_stop_cancels_a_retried_step_that_hangs_but_not_a_first_one() -> None:
+    import asyncio
+
+    import structlog
+
+    stop = asyncio.Event()
+    guard = OutageRider(give_up_s=300.0, what="test", log=structlog.get_logger("t"),
+                        base_s=0.0, cap_s=0.0, stop=stop)
+    calls: list[str] = []
+
+    async def down_then_hanging() -> str:
+        calls.append("call")
+        if len(calls) == 1:
+            raise BrokerUnavailable("down")
+        await asyncio.sleep(60)  # a retry that never answers (a hung server)
+        return "late"
+
+    asyncio.get_running_loop().call_later(0.2, stop.set)
+    with pytest.raises(StoppedDuringOutage):
+        await asyncio.wait_for(guard.call(down_then_hanging), 5)
+    assert len(calls) == 2
+
+    async def in_hand() -> str:  # outside an outage the work in hand finishes
+        await asyncio.sleep(0.1)
+        return "done"
+
+    assert await guard.call(in_hand) == "done"
+
+
+async def test_the_back_off_never_sleeps_past_the_give_up_time() -> None:
+    import asyncio
+    import time
+
+    import structlog
+
+    guard = OutageRider(give_up_s=0.5, what="test", log=structlog.get_logger("t"),
+                        base_s=10.0, cap_s=10.0)
+
+    async def always_down() -> None:
+        raise BrokerUnavailable("down")
+
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable):
+        await asyncio.wait_for(guard.call(always_down), 5)
+    assert 0.5 <= time.monotonic() - started < 1.5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis.asyncio as aioredis
@@ -17,6 +18,7 @@ from ops.connections import open_redis
 from ops.roles import run_feeder, run_scorer, run_workers
 from ops.settings import CommonSettings, FeederSettings, ScorerSettings, WorkerSettings
 from producers.worker import queue_name
+from schemas.errors import AccessRefused
 from schemas.keys import stream_key
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_tls import TlsRedis
@@ -88,10 +90,50 @@ async def test_every_role_over_tls_with_least_privilege(tls_redis: TlsRedis,
     await admin.aclose()
 
 
+@pytest.mark.slow
+async def test_feed_and_workers_honour_the_urls_tls_options(tls_redis: TlsRedis) -> None:
+    """``?ssl_ca_certs=`` in the URL, no CA setting: feed admits and workers roll out
+    (issue 34: feed exited 69 and workers ran forever without working, as arq's URL parser
+    dropped the option)."""
+    admin = aioredis.Redis.from_url(tls_redis.url(), ssl_ca_certs=str(tls_redis.ca))
+    await admin.flushall()
+    url = f"{tls_redis.url()}?ssl_ca_certs={quote(str(tls_redis.ca))}"
+    feeder = FeederSettings(redis_url=url, run=RUN, epochs=1, batch_groups=2,
+                            max_staleness=0, poll_s=0.05)
+    stop = asyncio.Event()
+    feeding = asyncio.create_task(run_feeder(feeder, stop))
+    for _ in range(400):
+        if await admin.zcard(queue_name(RUN)) == 2 or feeding.done():
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(feeding, 30)
+    fake = FakeVLLM()
+    workers = WorkerSettings(redis_url=url, run=RUN, inference=[fake.base_url], group_size=2,
+                             max_tokens=8)
+    await asyncio.wait_for(run_workers(workers, burst=True, transport=fake_transport(fake)), 60)
+    assert await admin.xlen(stream_key(RUN, 0, "traj")) == 2
+    await admin.aclose()
+
+
+@pytest.mark.parametrize("role", ["status", "feed", "workers"])
+def test_a_certificate_that_does_not_verify_is_a_config_error(
+        tls_redis: TlsRedis, role: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """No CA given: exit 78 naming the TLS settings, not 69 with "start a server"."""
+    argv = [role, "--redis-url", tls_redis.url(), "--run", RUN]
+    if role == "workers":
+        argv += ["--inference", "http://127.0.0.1:9"]
+    code = main(argv, {"ROLLQ_LOG_FORMAT": "console", "ROLLQ_REDIS_GIVE_UP_S": "300"})
+    err = capsys.readouterr().err
+    assert code == Exit.CONFIG, err
+    assert "TLS to Redis failed" in err and "redis_ca_file" in err, err
+    assert "start a server" not in err
+
+
 async def test_a_role_outside_its_keys_is_refused(tls_redis: TlsRedis) -> None:
     scorer = settings(tls_redis, "scorer")
     redis = open_redis(scorer)
-    with pytest.raises(aioredis.ResponseError, match="permissions"):
+    with pytest.raises(AccessRefused, match=r"'scorer' the key pattern ~rollq:\{another-run:0"):
         await redis.xadd("rollq:{another-run:0}:traj", {"v": "1"})
     await redis.aclose()
 
@@ -104,3 +146,4 @@ def test_a_wrong_password_is_one_line_without_the_password(
     err = capsys.readouterr().err
     assert code == Exit.CONFIG, err
     assert "wrong-password-9f3" not in err and "Traceback" not in err
+

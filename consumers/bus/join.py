@@ -18,6 +18,12 @@ from schemas import BrokerUnavailable, DecodeError, Fields, join_trajectory, tra
 from schemas.keys import partner_key
 
 
+def not_an_entry_id(ref: str) -> str:
+    """Why a scored entry whose ``traj`` field is ``ref`` (not an entry id) cannot join."""
+    return (f"field 'traj' is not a stream entry id (two unsigned 64-bit numbers, ms-seq): "
+            f"{ref[:40]!r}")
+
+
 async def join_trajectories(redis: aioredis.Redis,
                             entries: Sequence[tuple[str, Fields]]) -> list[Fields | str]:
     """The inline form of each (scored stream, fields) entry: a reference-form entry gets
@@ -33,8 +39,7 @@ async def join_trajectories(redis: aioredis.Redis,
         if is_entry_id(ref):
             refs.append((i, partner_key(stream, "traj"), ref))
         else:
-            out[i] = (f"field 'traj' is not a stream entry id (two unsigned 64-bit numbers, "
-                      f"ms-seq): {ref[:40]!r}")
+            out[i] = not_an_entry_id(ref)
     if not refs:
         return out
     async with translated_errors("reading trajectories"):

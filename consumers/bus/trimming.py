@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from consumers.bus.entries import translated_errors
+from consumers.bus.entries import as_text, translated_errors
+from consumers.bus.orphans import dead_letter_orphans
 from schemas.keys import partner_key
 
 # KEYS[1] stream; ARGV[1] retention floor id ('' for none). Trims below the oldest entry some
@@ -18,6 +19,9 @@ from schemas.keys import partner_key
 # (the partition's scored stream): every entry named by one that some group of KEYS[2] has
 # not consumed (all of them, before KEYS[2] has a group) is kept, and with a retention
 # floor so is the trajectory of the oldest scored entry still retained (trainer replay).
+# A 'traj' value that names no entry KEYS[1] can hold (malformed, before its first entry,
+# after its last id) pins nothing: the ids of such scored entries that no group of KEYS[2]
+# was delivered yet come back (reply: {trimmed, orphans}) for the caller to dead-letter.
 _SAFE_TRIM = """
 -- Entry ids stay decimal strings: Lua numbers are doubles, and an id above 2^53 turned
 -- into one comes back as 1.8e+19, which XTRIM refuses (an entry naming such an id once
@@ -67,19 +71,37 @@ local function needed(key)
   end
   return floor
 end
-local function ref(fields)
+local function ref(fields)  -- the 'traj' value: false when absent, nil when no id
   for i = 1, #fields, 2 do
     if fields[i] == 'traj' then return parse(fields[i + 1]) end
+  end
+  return false
+end
+local function field(reply, name)  -- a value of a flat name/value reply (XINFO STREAM)
+  for i = 1, #reply, 2 do
+    if reply[i] == name then return reply[i + 1] end
   end
   return nil
 end
 local floor = needed(KEYS[1])
-if floor == nil then return 0 end
+if floor == nil then return {0, {}} end
 if ARGV[1] ~= '' then
   local retention = parse(ARGV[1])
   if less(retention, floor) then floor = retention end
 end
+local orphans = {}
 if #KEYS > 1 then
+  local stream = redis.call('XINFO', 'STREAM', KEYS[1])
+  local first = field(stream, 'first-entry')
+  local oldest = first and parse(first[1])  -- false when the stream is empty
+  local newest = parse(field(stream, 'last-generated-id'))
+  local delivered = nil  -- the last id every group of KEYS[2] was delivered, at most
+  if redis.call('EXISTS', KEYS[2]) == 1 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+      local last = parse(field(g, 'last-delivered-id'))
+      if delivered == nil or less(delivered, last) then delivered = last end
+    end
+  end
   local unconsumed = needed(KEYS[2])
   local from = '-'
   if unconsumed ~= nil then from = unconsumed[1] .. '-' .. unconsumed[2] end
@@ -90,10 +112,17 @@ if #KEYS > 1 then
   end
   for _, entry in ipairs(entries) do
     local named = ref(entry[2])
-    if named ~= nil and less(named, floor) then floor = named end
+    if named == nil or (named and (not oldest or less(named, oldest) or less(newest, named)))
+    then
+      if delivered == nil or less(delivered, parse(entry[1])) then
+        table.insert(orphans, entry[1])
+      end
+    elseif named and less(named, floor) then
+      floor = named
+    end
   end
 end
-return redis.call('XTRIM', KEYS[1], 'MINID', floor[1] .. '-' .. floor[2])
+return {redis.call('XTRIM', KEYS[1], 'MINID', floor[1] .. '-' .. floor[2]), orphans}
 """
 
 async def trim_streams(redis: aioredis.Redis, streams: Sequence[str],
@@ -104,15 +133,22 @@ async def trim_streams(redis: aioredis.Redis, streams: Sequence[str],
     read in the same script as the XTRIM. ``retention_ms`` also keeps acknowledged entries
     younger than that, for replay (rescore, trainer resume). A stream without consumer
     groups is left alone. Returns the number of entries removed.
+
+    A scored entry whose ``traj`` field names no entry the traj stream can hold, and that
+    no trainer was delivered yet, is dead-lettered (``consumers.bus.orphans``) instead of
+    pinning the traj stream or waiting for a trainer to fail on it.
     """
     floor = ""
     if retention_ms is not None:
         floor = f"{max(0, int(time.time() * 1000) - retention_ms)}-0"
     removed = 0
-    async with translated_errors("trimming"):
-        for stream in streams:
-            keys = [stream]
-            if stream.endswith(":traj"):  # scored entries name traj entries: keep those
-                keys.append(partner_key(stream, "scored"))
-            removed += int(await redis.eval(_SAFE_TRIM, len(keys), *keys, floor))
+    for stream in streams:
+        keys = [stream]
+        if stream.endswith(":traj"):  # scored entries name traj entries: keep those
+            keys.append(partner_key(stream, "scored"))
+        async with translated_errors("trimming"):
+            trimmed, orphans = await redis.eval(_SAFE_TRIM, len(keys), *keys, floor)
+        removed += int(trimmed)
+        if orphans:
+            await dead_letter_orphans(redis, keys[1], [as_text(entry) for entry in orphans])
     return removed

@@ -3,10 +3,12 @@ trainer is the user's process, not a rollq role: it has no config-file section).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from consumers.bus import ReaderSettings
+from schemas.tls import RedisTls
 
 PauseMode = Literal["keep", "wait", "abort"]
 WeightSyncMethod = Literal["reload", "transfer", "external"]
@@ -105,6 +107,19 @@ class TrainerClientSettings:
     wait_log_s: float = 30.0
     """While one ``next_batch`` waits longer than this (seconds), it logs
     ``trainer_waiting`` every ``wait_log_s`` (``consumers.trainer.waiting``)."""
+    redis_ca_file: str | None = None
+    """With a ``rediss://`` URL given to ``SyncTrainerClient``: the CA bundle that signed
+    the server's certificate. None: ``ROLLQ_REDIS_CA_FILE`` (the variable the roles read),
+    else the system's CAs."""
+    redis_cert_file: str | None = None
+    """With ``rediss://``: a client certificate, for servers that require one. None:
+    ``ROLLQ_REDIS_CERT_FILE``."""
+    redis_key_file: str | None = None
+    """With ``rediss://``: the client certificate's private key. None:
+    ``ROLLQ_REDIS_KEY_FILE``."""
+    redis_tls_verify: bool | None = None
+    """With ``rediss://``: verify the server's certificate (turn off only for tests). None:
+    ``ROLLQ_REDIS_TLS_VERIFY``, else True."""
     log_max_len: int = 1_000_000
     """Entries kept in each consumer's trained log, one per acked batch (approximate cap).
     Must exceed the batches acked between two checkpoints, or resuming from the older one
@@ -118,6 +133,13 @@ class TrainerClientSettings:
                               reclaim_idle_ms=self.reclaim_idle_ms,
                               reclaim_every_s=self.reclaim_every_s,
                               max_deliveries=self.max_deliveries)
+
+    def redis_tls(self, environ: Mapping[str, str]) -> RedisTls:
+        """The TLS options for a ``rediss://`` URL: these fields, else the ``ROLLQ_REDIS_*``
+        variables of ``environ`` (the same ones, with the same meaning, as the roles')."""
+        return RedisTls.from_environ(environ, ca_file=self.redis_ca_file,
+                                     cert_file=self.redis_cert_file,
+                                     key_file=self.redis_key_file, verify=self.redis_tls_verify)
 
     def __post_init__(self) -> None:
         positive = ("batch_groups", "read_count", "reclaim_idle_ms", "max_deliveries",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
@@ -50,7 +51,10 @@ async def _cancelled(task: asyncio.Task[Any]) -> None:
 class SyncTrainerClient:
     """Blocking facade over ``TrainerClient``; use as a context manager or call ``close``.
 
-    ``redis`` is a ``redis://`` URL (a client is made and closed here) or an asyncio client
+    ``redis`` is a ``redis://`` or ``rediss://`` URL (a client is made and closed here,
+    with the TLS files of ``settings``, else of the ``ROLLQ_REDIS_CA_FILE``,
+    ``ROLLQ_REDIS_CERT_FILE``, ``ROLLQ_REDIS_KEY_FILE`` and ``ROLLQ_REDIS_TLS_VERIFY``
+    variables, as the roles read them) or an asyncio client
     owned by the caller that has not been used on another event loop: asyncio clients are
     bound to the loop they first ran on, and this facade runs its own. Nothing starts until
     ``__enter__`` (or ``open``).
@@ -66,7 +70,11 @@ class SyncTrainerClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._owns_redis = isinstance(redis, str)
-        self._redis = aioredis.Redis.from_url(redis) if isinstance(redis, str) else redis
+        if isinstance(redis, str):  # the SDK's edge: TLS from the settings, else ROLLQ_REDIS_*
+            tls = (settings or TrainerClientSettings()).redis_tls(os.environ)
+            self._redis: aioredis.Redis = aioredis.Redis.from_url(redis, **tls.options(redis))
+        else:
+            self._redis = redis
         self.client = TrainerClient(self._redis, run=run, consumer=consumer,
                                     settings=settings, transport=transport)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -48,6 +48,7 @@ from ops.atropos.models import (
 )
 from ops.atropos.pieces import compress, gzip_chunks, raw_chunks, raw_length
 from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
+from ops.connections import open_redis, redis_options
 from ops.role_metrics import add_metrics_route
 from ops.settings import AtroposApiSettings
 from schemas import ContractError, TransientError
@@ -167,7 +168,6 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
 
 
 def _metrics(settings: AtroposApiSettings) -> RoleMetrics:
-    from ops.connections import redis_options
     from ops.metrics import RoleMetrics
 
     return RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
@@ -182,7 +182,8 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = redis or aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+        # open_redis: the TLS files of the settings, and refusals named (exit 78)
+        client = redis or open_redis(settings)
         try:
             async with AtroposStore(client, settings.run, rewards=settings.rewards,
                                     consumer_group=settings.consumer_group,
