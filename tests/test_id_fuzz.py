@@ -143,7 +143,7 @@ async def test_requeue_takes_any_ref_a_letter_names(real_redis: aioredis.Redis) 
     for _ in range(2):  # the orphans become dead letters (see the first test)
         await trim_streams(real_redis, [TRAJ, SCORED])
     chosen = await letters(real_redis, RUN)
-    outcomes = await requeue(real_redis, "redis://unused", RUN, chosen, dedup_window_s=None)
+    outcomes = await requeue(real_redis, RUN, chosen, dedup_window_s=None)
     by_ref = {o.letter.letter.payload[b"traj"].decode(): o.action for o in outcomes}
     # 1000-0 is named and kept, so the stream keeps its ids: refs between them stay
     inside = {ref for ref in refs if is_entry_id(ref)
