@@ -26,8 +26,13 @@ A group is ``group_size`` episodes of one item, run concurrently (episode ``j`` 
 
 Failures: a call that failed for want of inference fails the job with
 ``InferenceUnavailable`` (retried), even if the agent caught the error; an episode that
-made no model call is a ``ContractError``; anything the episode raises goes to the
-worker's failure taxonomy as is.
+raised after a call was refused (a 4xx from the server, or ``n`` not 1) is a
+``ContractError`` (``contract_error``, not retried: the agent's own HTTP client raises its
+own error class, e.g. ``openai.BadRequestError``, which would otherwise be an
+``unexpected_error``), while an agent that caught the refusal and finished its episode
+(ending it on a full context, say) keeps its group; an episode that made no model call is
+a ``ContractError``; anything else the episode raises goes to the worker's failure
+taxonomy as is.
 """
 
 from __future__ import annotations
@@ -96,13 +101,28 @@ async def captured_group(upstream: Upstream, item: Item, play: EpisodePlay, *,
                                  policy_version=policy_version, tool_parser=tool_parser)
         try:
             result = await play(capture, params)
-        finally:
-            captured = capture.close()
-        return captured, result
+        except Exception as exc:
+            failure = episode_failure(index, capture.close())
+            if failure is None:
+                raise
+            raise failure from exc
+        return capture.close(), result
 
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(episode(index)) for index in range(group_size)]
     return build_rollout([task.result() for task in tasks], item)
+
+
+def episode_failure(index: int, captured: CapturedEpisode) -> Exception | None:
+    """What an episode that raised fails its job with (module docstring): its model calls'
+    failure when one explains it; None to let the episode's own exception through."""
+    if captured.unavailable_error is not None:
+        return InferenceUnavailable(f"episode {index}: a model call failed: "
+                                    f"{captured.unavailable_error}")
+    if captured.rejected_error is not None:
+        return ContractError(f"episode {index} ended on a refused model call: "
+                             f"{captured.rejected_error}")
+    return None
 
 
 class UpstreamCache:
@@ -188,9 +208,12 @@ class GatewayEpisodeEnv(RecordItems):
                 value = await self.workflow.run(dict(item.fields), base_url=opened.base_url,
                                                 http_client=opened.http_client,
                                                 api_key=self.api_key)
-            finally:
-                captured = await gateway.close(opened)
-            return captured, as_result(value)
+            except Exception as exc:
+                failure = episode_failure(index, await gateway.close(opened))
+                if failure is None:
+                    raise
+                raise failure from exc
+            return await gateway.close(opened), as_result(value)
 
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(episode(index)) for index in range(group_size)]
