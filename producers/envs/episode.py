@@ -106,6 +106,9 @@ async def captured_group(upstream: Upstream, item: Item, play: EpisodePlay, *,
             if failure is None:
                 raise
             raise failure from exc
+        except BaseException:  # cancelled (a sibling episode failed): closed all the same
+            capture.close()
+            raise
         return capture.close(), result
 
     async with asyncio.TaskGroup() as group:
@@ -213,6 +216,9 @@ class GatewayEpisodeEnv(RecordItems):
                 if failure is None:
                     raise
                 raise failure from exc
+            except BaseException:  # cancelled: the gateway still forgets the episode
+                await gateway.close(opened)
+                raise
             return await gateway.close(opened), as_result(value)
 
         async with asyncio.TaskGroup() as group:
