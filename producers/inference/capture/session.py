@@ -31,7 +31,9 @@ On the way:
   fit: it goes as chat, as sent, and its tokens are the server's. When they do not extend
   the earlier call's (the template re-rendered it), the call starts a new sequence of the
   episode (``capture.record``) instead of merging; ``CaptureStats.chat_fallback`` counts
-  these calls; ``continuation_check="after"`` sends the chat request
+  these calls (a chat template that reads ``tool_choice`` or ``response_format``, which vLLM
+  hands to templates and ``/tokenize`` does not take, is outside this check: the renders
+  omit them). ``continuation_check="after"`` sends the chat request
   first and checks the prompt ids the server reports: when they extend the earlier call's
   prompt and completion the reply is kept (no extra request at all, what the gateway does
   by default); otherwise that generation is discarded (``CaptureStats.resent``) and the call
@@ -81,6 +83,8 @@ TOKEN_IN_FIELDS = (
     "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "ignore_eos",
     "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
     "response_format", "structured_outputs", "user", "priority", "vllm_xargs",
+    "repetition_detection", "thinking_token_budget", "truncate_prompt_tokens",
+    "truncation_side", "use_beam_search", "watermarking", "session_id", "kv_transfer_params",
 )
 """Chat request fields a token-in call carries over to ``/v1/completions`` as they are
 (vLLM 0.32's completions request takes each with the chat's meaning)."""
@@ -91,7 +95,8 @@ TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs")
 TOKEN_IN_HANDLED = (
     "messages", "model", "tools", "tool_choice", "max_completion_tokens", "logprobs",
     "top_logprobs", "return_token_ids", "parallel_tool_calls", "stream", "stream_options",
-    "n", "request_id", "metadata", "store", "service_tier", "cache_salt", *TEMPLATE_FIELDS,
+    "n", "request_id", "metadata", "store", "service_tier", "cache_salt", "add_special_tokens",
+    *TEMPLATE_FIELDS,
 )
 """Chat request fields a token-in call honours otherwise: in the spliced prompt (messages,
 tools, the template's), by mapping (``max_completion_tokens``), in the reply it builds
@@ -349,7 +354,7 @@ class EpisodeCapture:
 
     async def _chat_token_in(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
         request = {key: body[key] for key in TOKEN_IN_FIELDS if key in body}
-        if body.get("max_completion_tokens"):  # vLLM's chat: max_completion_tokens or max_tokens
+        if body.get("max_completion_tokens") is not None:  # vLLM's chat takes it first
             request["max_tokens"] = body["max_completion_tokens"]
         tools_on = bool(body.get("tools")) and body.get("tool_choice") != "none"
         if tools_on:
