@@ -48,7 +48,8 @@ TurnOptions = Callable[[int], dict[str, Any]]
 
 async def calculator_episode(client: Any, question: str, *, max_calls: int = 4,
                              scripted_tool_turns: int = 2, max_tokens: int = 96,
-                             options: TurnOptions | None = None) -> float:
+                             options: TurnOptions | None = None,
+                             model: str = "any-model") -> float:
     """The agent: asks with the calculator tool, runs the tool calls the model makes and
     appends ``tool`` messages; when the model makes none (a tiny random model never does),
     its script calls the tool itself for the first ``scripted_tool_turns`` turns, so every
@@ -63,7 +64,7 @@ async def calculator_episode(client: Any, question: str, *, max_calls: int = 4,
     for turn in range(max_calls):
         fields = options(turn) if options is not None else {"max_tokens": max_tokens}
         reply = await client.chat.completions.create(
-            model="any-model", messages=messages, tools=[CALCULATOR], **fields)
+            model=model, messages=messages, tools=[CALCULATOR], **fields)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         content = message.content or ""
@@ -112,8 +113,10 @@ class CalculatorWorkflow:
     AReaL documents the client as optional, and many agents ignore it)."""
 
     def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96,
-                 options: TurnOptions | None = None, use_http_client: bool = True) -> None:
+                 options: TurnOptions | None = None, use_http_client: bool = True,
+                 model: str = "any-model") -> None:
         self.scripted_tool_turns = scripted_tool_turns
+        self.model = model
         self.max_tokens = max_tokens
         self.options = options
         self.use_http_client = use_http_client
@@ -129,7 +132,8 @@ class CalculatorWorkflow:
                                       http_client=own, max_retries=0) as client:
             return await calculator_episode(client, data["question"],
                                             scripted_tool_turns=self.scripted_tool_turns,
-                                            max_tokens=self.max_tokens, options=self.options)
+                                            max_tokens=self.max_tokens, options=self.options,
+                                            model=self.model)
 
 
 class RewritingEnv:
