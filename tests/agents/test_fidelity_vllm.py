@@ -25,8 +25,10 @@ import redis.asyncio as aioredis
 from ops.stack import VllmProcess
 from producers.envs.areal import ArealCollectorEnv, ArealGenerationConfig, areal_workflow_env
 from producers.inference.capture import RemoteGateway
+from schemas import decode_dead
+from schemas.keys import stream_key
 from tests.agents.agents import CALCULATOR, QUESTIONS, CalculatorWorkflow
-from tests.agents.pipeline import run_workers
+from tests.agents.pipeline import RUN, run_workers
 from tests.agents.test_areal import LLMRequest, SumAgent, SumCollector, SumEnvironment
 from tests.agents.test_vllm_agents import served_gateway
 from tests.integration.recording import RecordingTransport
@@ -235,3 +237,18 @@ async def test_an_arealite_collector_sends_the_same_request_fields_through_rollq
             assert sent(body) == by_turn[turn_of(body)], (body, by_turn)
             compared += 1
     assert compared >= 4
+
+
+async def test_a_context_overflow_on_real_vllm_is_a_contract_error_on_the_first_try(
+        tool_vllm: VllmProcess, redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    """vLLM's own 400 (the prompt exceeds the context), through the in-process gateway to
+    an agent that lets ``openai.BadRequestError`` through: dead-lettered, not retried."""
+    workflow = CalculatorWorkflow(model="rollq-tiny", use_http_client=False)
+    env = areal_workflow_env("fidelity-overflow", workflow,
+                             [{"question": "What is " + "1+" * 1200 + "1?"}])
+    assert await run_workers(redis_server.url, real_redis, env, None, [0],
+                             inference_url=tool_vllm.url) == []
+    [(_, fields)] = await real_redis.xrange(stream_key(RUN, 0, "dead"))
+    letter = decode_dead(fields)
+    assert letter.reason == "contract_error" and "maximum context length" in letter.detail
+    assert workflow.runs == 2  # the group's two episodes, one try
