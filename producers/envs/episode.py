@@ -61,6 +61,7 @@ from producers.inference.capture import (
     LocalGateway,
     Upstream,
 )
+from producers.inference.capture.render import LocalTemplate
 from schemas import Completion, ContractError, InferenceUnavailable
 
 
@@ -129,15 +130,17 @@ def episode_failure(index: int, captured: CapturedEpisode) -> Exception | None:
 
 
 class UpstreamCache:
-    """One ``Upstream`` per pool (its model name and template probe are learned once)."""
+    """One ``Upstream`` per pool (its model name and template probe are learned once);
+    ``template`` renders chat continuations in this process (``Upstream``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: LocalTemplate | None = None) -> None:
+        self.template = template
         self._by_pool: dict[int, Upstream] = {}
 
     def __call__(self, pool: InferencePool) -> Upstream:
         upstream = self._by_pool.get(id(pool))
         if upstream is None or upstream.pool is not pool:
-            upstream = self._by_pool[id(pool)] = Upstream(pool)
+            upstream = self._by_pool[id(pool)] = Upstream(pool, template=self.template)
         return upstream
 
 
@@ -179,6 +182,9 @@ class GatewayEpisodeEnv(RecordItems):
     - ``gateway``: None for a ``LocalGateway`` on the worker's pool (the workflow must use
       the ``http_client`` it is given), or e.g. ``RemoteGateway(url)``.
     - ``api_key``: what the workflow is told to send (a gateway checks none).
+    - ``template``: the in-process gateway renders chat continuations with it (the served
+      model's tokenizer and the server's chat template, ``LocalTemplate``) instead of two
+      ``/tokenize`` requests each, as ``rollq gateway --tokenizer`` does.
     """
 
     name: str
@@ -187,8 +193,12 @@ class GatewayEpisodeEnv(RecordItems):
     gateway: EpisodeGateway | None = None
     api_key: str = "rollq"
     tool_parser: str | None = "hermes"
+    template: LocalTemplate | None = None
     _upstreams: UpstreamCache = field(default_factory=UpstreamCache, init=False, repr=False)
     _local: dict[int, LocalGateway] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._upstreams = UpstreamCache(self.template)
 
     def _gateway(self, pool: InferencePool) -> EpisodeGateway:
         if self.gateway is not None:
