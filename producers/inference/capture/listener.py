@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 
 import h11
 import structlog
@@ -43,8 +44,17 @@ class LoopbackListener:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, 0)
-        self.port = self._server.sockets[0].getsockname()[1]
+        # a bound socket of our own: asyncio would resolve the host name in a thread first
+        # (getaddrinfo), a thread hop per group on a busy worker
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            self._server = await asyncio.start_server(self._serve, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self.port = sock.getsockname()[1]
         log.debug("capture_listener_started", url=self.url)
 
     async def aclose(self) -> None:
