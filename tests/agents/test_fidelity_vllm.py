@@ -118,6 +118,7 @@ def assert_same_semantics(direct: RecordingTransport, through: RecordingTranspor
     for path, body, _ in direct.exchanges:
         if path in GENERATION:
             assert sent(by_seed.setdefault(body["seed"], body)) == sent(body)  # fixed per turn
+    assert len(by_seed) >= 3  # every turn of the agent was seen direct
     compared = token_in = 0
     for path, body, _ in through.exchanges:
         if path not in GENERATION:
@@ -145,8 +146,9 @@ async def test_agents_send_the_same_request_fields_through_rollq_as_direct(
         agent: str) -> None:
     def workflow(use_http_client: bool = True) -> Any:
         if agent == "openai-tools":
-            return CalculatorWorkflow(options=tool_turn, use_http_client=use_http_client,
-                                      model="rollq-tiny")  # direct: the served name
+            return CalculatorWorkflow(  # 4 calls an episode, whatever the model does
+                scripted_tool_turns=4, options=tool_turn, use_http_client=use_http_client,
+                model="rollq-tiny")  # direct: the served name
         return JsonWorkflow()
 
     direct = await run_direct(workflow(), tool_vllm.url)
@@ -211,6 +213,13 @@ class SeededCollector(SumCollector):
         return await super().arun_episode(Client(), gconfig_, env_option, seed)
 
 
+class EndlessSum(SumEnvironment):
+    """Never solved: every episode makes ``max_turns`` calls, direct or through rollq."""
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return "Wrong, try again.", 0.0, False, False, {}
+
+
 def turn_of(body: dict[str, Any]) -> int:
     return int(body["max_tokens"]) - 8
 
@@ -221,16 +230,17 @@ async def test_an_arealite_collector_sends_the_same_request_fields_through_rollq
     direct = RecordingTransport()
     async with httpx.AsyncClient(transport=direct, timeout=120) as http:
         for index, record in enumerate(records):
-            await SeededCollector(SumAgent, SumEnvironment()).arun_episode(
+            await SeededCollector(SumAgent, EndlessSum()).arun_episode(
                 DirectArealClient(http, tool_vllm.url), ArealGenerationConfig(),
                 env_option=record, seed=index)
     upstream = RecordingTransport()
     env = ArealCollectorEnv("fidelity-arealite",
-                            lambda: SeededCollector(SumAgent, SumEnvironment()), records)
+                            lambda: SeededCollector(SumAgent, EndlessSum()), records)
     assert len(await run_workers(redis_server.url, real_redis, env, None, [0, 1],
                                  inference_url=tool_vllm.url, transport=upstream)) == 2
     by_turn = {turn_of(body): sent(body) for path, body, _ in direct.exchanges
                if path == "/v1/completions"}
+    assert sorted(by_turn) == [0, 1, 2]
     compared = 0
     for path, body, _ in upstream.exchanges:
         if path == "/v1/completions":
