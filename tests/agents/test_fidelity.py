@@ -1,6 +1,8 @@
 """Request fidelity on the fake server: every field an agent sets reaches the server on every
-call of its episode, token-in continuations included; the in-process gateway for agents
-that ignore ``http_client``; a refused call the agent lets through is a contract error."""
+call of its episode, token-in continuations included; a refused call the agent lets
+through is a contract error, whichever way it reached the in-process gateway. (Agents that
+ignore ``http_client``: ``test_gateway``, ``test_listener``; the real vLLM:
+``test_fidelity_vllm``.)"""
 
 from __future__ import annotations
 
@@ -20,9 +22,7 @@ from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import (
     assert_exactly_served,
     pool_of,
-    served,
     tool_script,
-    trainable_runs,
 )
 from tests.agents.pipeline import RUN, run_workers
 from tests.redis_server import RedisServer
@@ -130,25 +130,6 @@ async def test_an_auto_tool_choice_still_goes_token_in() -> None:
 ])
 def test_fields_a_token_in_call_cannot_honour(body: dict[str, Any], field: str | None) -> None:
     assert chat_only_field(body) == field
-
-
-async def test_an_agent_that_ignores_http_client_is_captured_in_process(
-        redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
-    """The in-process gateway's base URL answers plain HTTP (a loopback listener while
-    episodes are open), so an agent that builds its own client from it is captured."""
-    fake = AgentFakeVLLM()
-    fake.script = tool_script(compact=True)
-    workflow = CalculatorWorkflow(use_http_client=False)
-    env = GatewayEpisodeEnv("calc-plain", workflow, RECORDS)
-    groups = await run_workers(redis_server.url, real_redis, env, fake, [0, 1])
-    assert sorted(len(g.completions) for g in groups) == [2, 2]
-    for group in groups:
-        assert [c.info["capture"]["calls"] for c in group.completions] == [3, 3]
-        assert all(c.info["env_score"] == 1.0 for c in group.completions)
-    runs = sorted(run for g in groups for c in g.completions for run in trainable_runs(c))
-    assert runs == sorted(served(reply) for reply in fake.replies)
-    [local] = env._local.values()
-    assert local._listening is None and local._open == 0  # no port held between groups
 
 
 @pytest.mark.parametrize("use_http_client", [True, False])
