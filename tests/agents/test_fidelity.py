@@ -6,6 +6,7 @@ ignore ``http_client``: ``test_gateway``, ``test_listener``; the real vLLM:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import redis.asyncio as aioredis
 
 from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
 from producers.inference import SamplingParams
-from producers.inference.capture import EpisodeCapture, EpisodeClient, Upstream
+from producers.inference.capture import EpisodeCapture, EpisodeClient, RemoteGateway, Upstream
 from producers.inference.capture.session import chat_only_field
 from schemas import decode_dead
 from schemas.keys import stream_key
@@ -25,6 +26,7 @@ from tests.agents.helpers import (
     tool_script,
 )
 from tests.agents.pipeline import RUN, run_workers
+from tests.agents.test_gateway import served_gateway
 from tests.redis_server import RedisServer
 
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=64)
@@ -132,23 +134,29 @@ def test_fields_a_token_in_call_cannot_honour(body: dict[str, Any], field: str |
     assert chat_only_field(body) == field
 
 
-@pytest.mark.parametrize("use_http_client", [True, False])
+@pytest.mark.parametrize("route", ["http_client", "loopback", "rollq gateway"])
 @pytest.mark.parametrize("refusal", ["n=2", "context overflow"])
 async def test_a_refused_call_the_agent_lets_through_is_a_contract_error_not_retried(
         redis_server: RedisServer, real_redis: aioredis.Redis, refusal: str,
-        use_http_client: bool) -> None:
+        route: str) -> None:
     """The agent's own client raises ``openai.BadRequestError`` (not a rollq error): the
-    job is dead-lettered ``contract_error`` on its first try, as the Failures table says."""
+    job is dead-lettered ``contract_error`` on its first try, as the Failures table says,
+    in-process (through ``http_client`` or the loopback listener) or through a ``rollq
+    gateway`` process's HTTP (its close reports the refusal)."""
     fake = AgentFakeVLLM()
     fake.script = tool_script(compact=False)
+    options: Any = None
     if refusal == "n=2":
-        workflow = CalculatorWorkflow(options=lambda turn: {"n": 2},
-                                      use_http_client=use_http_client)
+        options = lambda turn: {"n": 2}  # noqa: E731
     else:
         fake.max_model_len = 20  # the first prompt is longer: vLLM answers 400
-        workflow = CalculatorWorkflow(use_http_client=use_http_client)
-    env = GatewayEpisodeEnv("calc-refused", workflow, RECORDS)
-    groups = await run_workers(redis_server.url, real_redis, env, fake, [0])
+    workflow = CalculatorWorkflow(options=options, use_http_client=route == "http_client")
+    async with contextlib.AsyncExitStack() as stack:
+        gateway = None
+        if route == "rollq gateway":
+            gateway = RemoteGateway(await stack.enter_async_context(served_gateway(fake)))
+        env = GatewayEpisodeEnv("calc-refused", workflow, RECORDS, gateway=gateway)
+        groups = await run_workers(redis_server.url, real_redis, env, fake, [0])
     assert groups == []
     [(_, fields)] = await real_redis.xrange(stream_key(RUN, 0, "dead"))
     letter = decode_dead(fields)
