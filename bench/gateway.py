@@ -16,7 +16,13 @@ message, ``max_tokens`` tokens per call (``ignore_eos``). Variants:
 - ``gateway/tokenize``: the same without the tokenizer (every render a ``/tokenize``
   request, two per continuation: a gateway without ``transformers`` or ``--tokenizer``);
 - ``direct+lp``: straight to vLLM, asking the logprobs and token ids the gateway forces,
-  which separates what capture asks of vLLM from the gateway's own cost.
+  which separates what capture asks of vLLM from the gateway's own cost;
+- ``rollq``: the full agent path: the same agent as an AReaL workflow env
+  (``areal_workflow_env``) run by a rollq worker (arq jobs on a local ``redis-server``, one
+  episode per job, ``--concurrency`` jobs at once) on the in-process gateway, rendering
+  continuations with the tokenizer as ``gateway`` does (``--env-option tokenizer=``), each
+  episode published to the run's stream as a group. The agent runs in the worker, as it does in
+  production; its CPU is the bench process's (``agent``).
 
 Each of ``--runs`` rounds runs every variant back to back, starting with a different one
 each round. Per run: tokens/s, call latency, and CPU milliseconds per call of vLLM's API
@@ -24,7 +30,8 @@ server, its engine (which busy-polls, so it tracks wall time), the gateway and t
 process. The closing lines are what asking vLLM for logprobs costs on its own
 (``direct+lp``/``direct``: no capturing gateway can do better), the median ratio of
 completion tokens/s (gateway/direct, goal >= 0.9) and the added latency per call
-(p50/p99 of the gateway's call latencies minus the direct ones, medians over runs)."""
+(p50/p99 of the gateway's call latencies minus the direct ones, medians over runs), and the
+full path's ratio beside the gateway's (rollq/direct and gateway/direct)."""
 
 from __future__ import annotations
 
@@ -43,10 +50,19 @@ from typing import Any
 
 import httpx
 import openai
+import redis.asyncio as aioredis
 
 from bench.common import median_of
+from ops.logging import configure_logging
+from producers.envs.areal import areal_workflow_env
+from producers.inference import SamplingParams
+from producers.inference.capture.render import LocalTemplate
+from producers.publisher import Publisher
+from producers.worker import build_worker, connect_queue, enqueue_rollout
+from schemas.keys import stream_key
 
 TARGET_RATIO = 0.9
+RUN = "bench"
 TOOL = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
@@ -96,6 +112,59 @@ async def episode(client: openai.AsyncOpenAI, max_tokens: int, run: Run, *,
         run.tokens += reply.usage.completion_tokens if reply.usage else 0
         messages.append(reply.choices[0].message.model_dump(exclude_none=True))
         messages.append({"role": "tool", "tool_call_id": f"call-{turn}", "content": "42"})
+
+
+class BenchWorkflow:
+    """The bench's agent as an AReaL workflow (the ``rollq`` variant's env)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.measured = Run()
+
+    async def run(self, data: dict[str, Any], *, base_url: str, http_client: Any,
+                  api_key: str) -> float:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key,
+                                    http_client=http_client, max_retries=0)
+        await episode(client, self.max_tokens, self.measured)
+        return 0.0
+
+
+async def run_rollq(vllm_url: str, redis_url: str, args: argparse.Namespace,
+                    number: int, template: LocalTemplate | None) -> Run:
+    """The ``rollq`` variant (module docstring): ``--episodes`` jobs through a burst
+    worker; ``number`` names the env, so every run's jobs are new to arq; ``template``
+    renders continuations in the worker, as the ``gateway`` variant's ``--tokenizer``."""
+    workflow = BenchWorkflow(args.max_tokens)
+    name = f"bench-{number}"
+    env = areal_workflow_env(name, workflow, [{"n": i} for i in range(args.episodes)],
+                             template=template)
+    redis = aioredis.from_url(redis_url)
+    traj = stream_key(RUN, 0, "traj")
+    before = int(await redis.xlen(traj))
+    queue = await connect_queue(redis_url)
+    try:
+        await Publisher(redis, RUN).register()
+        for position in range(args.episodes):
+            await enqueue_rollout(queue, RUN, name, position)
+    finally:
+        await queue.aclose()
+    worker = build_worker(
+        redis_url=redis_url, run=RUN, env_factory=lambda: env, inference_urls=[vllm_url],
+        model="rollq-tiny", sampling=SamplingParams(max_tokens=args.max_tokens), group_size=1,
+        concurrency=args.concurrency, job_timeout_s=600, max_tries=1, request_timeout_s=600,
+        burst=True)
+    started = time.perf_counter()
+    try:
+        await worker.main()
+    finally:
+        await worker.close()
+    workflow.measured.seconds = time.perf_counter() - started
+    published = int(await redis.xlen(traj)) - before
+    await redis.aclose()
+    if published != args.episodes:  # every episode must have become a group
+        raise SystemExit(f"rollq run {number}: {published} of {args.episodes} episodes "
+                         "published (see the worker's log lines above)")
+    return workflow.measured
 
 
 async def run_workload(vllm_url: str, gateway_url: str | None, args: argparse.Namespace,
@@ -191,18 +260,22 @@ def start_gateway(vllm_url: str, port: int, log: Path, *, render: list[str],
     raise SystemExit(f"gateway did not start:\n{log.read_text()[-2000:]}")
 
 
-VARIANTS = ("direct", "direct+lp", "gateway", "gateway/tokenize")
+VARIANTS = ("direct", "direct+lp", "gateway", "gateway/tokenize", "rollq")
 """``gateway``: rendering chat continuations itself (``--tokenizer``); ``gateway/tokenize``:
-the same gateway without the tokenizer, every render a ``/tokenize`` request to vLLM."""
+the same gateway without the tokenizer, every render a ``/tokenize`` request to vLLM;
+``rollq``: the full path (module docstring)."""
 
 
-async def measure(vllm_url: str, gateways: dict[str, str], args: argparse.Namespace,
-                  pids: dict[str, int]) -> dict[str, list[Run]]:
+async def measure(vllm_url: str, redis_url: str, gateways: dict[str, str],
+                  args: argparse.Namespace, pids: dict[str, int],
+                  template: LocalTemplate | None) -> dict[str, list[Run]]:
     print(f"{args.episodes} episodes x 3 calls x {args.max_tokens} tokens, concurrency "
           f"{args.concurrency}, {args.runs} runs; {os.cpu_count()} CPUs", flush=True)
     await run_workload(vllm_url, None, args)  # warm-up, untimed
     for url in gateways.values():
         await run_workload(vllm_url, url, args)
+    rollq_runs = iter(range(1_000_000))
+    await run_rollq(vllm_url, redis_url, args, next(rollq_runs), template)
     results: dict[str, list[Run]] = {name: [] for name in VARIANTS}
     names = list(results)
     for number in range(args.runs):
@@ -211,11 +284,15 @@ async def measure(vllm_url: str, gateways: dict[str, str], args: argparse.Namesp
         for name in names[start:] + names[:start]:
             before = cpu_by_role(pids)
             agent = time.process_time()
-            run = await run_workload(vllm_url, gateways.get(name), args,
-                                     capture_fields=name == "direct+lp")
+            if name == "rollq":
+                run = await run_rollq(vllm_url, redis_url, args, next(rollq_runs), template)
+            else:
+                run = await run_workload(vllm_url, gateways.get(name), args,
+                                         capture_fields=name == "direct+lp")
             run.cpu = {role: seconds - before[role]
                        for role, seconds in cpu_by_role(pids).items()
-                       if role in ("vllm-api", "vllm-engine", name)}
+                       if role in ("vllm-api", "vllm-engine", name)
+                       or (role == "redis" and name == "rollq")}
             run.cpu["agent"] = time.process_time() - agent
             results[name].append(run)
             drift = (f" token-in {run.token_in}/{len(run.latencies)}"
@@ -256,7 +333,7 @@ async def time_tokenize(vllm_url: str) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
-    from ops.stack import VllmProcess, free_port
+    from ops.stack import RedisProcess, VllmProcess, free_port
     from ops.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rollq-bench-gateway-") as tmp:
@@ -274,10 +351,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
         print("== starting the CPU vLLM server with the tiny model ...", flush=True)
         vllm.start()
         assert vllm.process is not None
+        redis = RedisProcess(directory / "redis").start()
+        assert redis.process is not None
         started: list[subprocess.Popen[bytes]] = []
         try:
             gateways: dict[str, str] = {}
-            pids = {"vllm": vllm.process.pid}
+            pids = {"vllm": vllm.process.pid, "redis": redis.process.pid}
             for name in ("gateway", "gateway/tokenize"):
                 render = [] if name.endswith("/tokenize") else [
                     "--tokenizer", str(model), "--chat-template",
@@ -287,7 +366,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
                     render=render, profile=args.profile_gateway if name == "gateway" else None)
                 started.append(process)
                 pids[name] = process.pid
-            return asyncio.run(measure(vllm.url, gateways, args, pids))
+            template = LocalTemplate.load(str(model), str(directory / "template.jinja"))
+            return asyncio.run(measure(vllm.url, redis.url, gateways, args, pids, template))
         finally:
             for process in started:
                 # SIGINT: uvicorn re-raises the signal after shutting down, and cProfile
@@ -295,6 +375,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
                 process.send_signal(signal.SIGINT if args.profile_gateway else signal.SIGTERM)
                 process.wait(timeout=30)
             vllm.stop()
+            redis.stop()
 
 
 def report(results: dict[str, list[Run]]) -> None:
@@ -325,8 +406,12 @@ def report(results: dict[str, list[Run]]) -> None:
                for role in runs[0].cpu}
         print(f"CPU ms per call, {name:16s} (medians): "
               + ", ".join(f"{role} {seconds * 1000:.1f}" for role, seconds in cpu.items()))
+    full = median_of(r.tokens_per_s / d.tokens_per_s for d, r in zip(
+        results["direct"], results["rollq"], strict=True))
     verdict = "OK" if ratio >= TARGET_RATIO else "BELOW TARGET"
     print(f"ratio {ratio:.2f} (gateway/direct tokens/s, goal >= {TARGET_RATIO}) {verdict}")
+    print(f"ratio {full:.2f} (rollq/direct tokens/s: the full agent path, workers, "
+          f"in-process gateway and publishing) beside gateway/direct {ratio:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.vllm_python).exists():
         parser.error(f"no vLLM interpreter at {args.vllm_python}: give --vllm-python or set "
                      "ROLLQ_TEST_VLLM_PYTHON")
+    configure_logging("json", "warning")  # the rollq variant's worker: no line per group
     report(run_bench(args))
     return 0
 

@@ -34,6 +34,7 @@ from producers.envs.base import (
 from producers.envs.episode import GatewayEpisodeEnv, UpstreamCache, captured_group
 from producers.inference import InferencePool, SamplingParams
 from producers.inference.capture import EpisodeCapture, EpisodeGateway
+from producers.inference.capture.render import LocalTemplate
 
 AREAL_TOP_K_OFF = 100_000_000
 """AReaL's ``top_k`` default (1e8) means no top-k."""
@@ -164,6 +165,9 @@ class _ArealWorkflowResult:
 
 
 def areal_workflow_env(name: str, workflow: EpisodeWorkflow, records: Sequence[dict[str, Any]],
-                       *, gateway: EpisodeGateway | None = None) -> GatewayEpisodeEnv:
-    """An ``Env`` of an AReaL agent workflow over ``records`` (module docstring)."""
-    return GatewayEpisodeEnv(name, _ArealWorkflowResult(workflow), records, gateway=gateway)
+                       *, gateway: EpisodeGateway | None = None,
+                       template: LocalTemplate | None = None) -> GatewayEpisodeEnv:
+    """An ``Env`` of an AReaL agent workflow over ``records`` (module docstring);
+    ``template``: see ``GatewayEpisodeEnv``."""
+    return GatewayEpisodeEnv(name, _ArealWorkflowResult(workflow), records, gateway=gateway,
+                             template=template)

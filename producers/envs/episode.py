@@ -26,8 +26,13 @@ A group is ``group_size`` episodes of one item, run concurrently (episode ``j`` 
 
 Failures: a call that failed for want of inference fails the job with
 ``InferenceUnavailable`` (retried), even if the agent caught the error; an episode that
-made no model call is a ``ContractError``; anything the episode raises goes to the
-worker's failure taxonomy as is.
+raised after a call was refused (a 4xx from the server, or ``n`` not 1) is a
+``ContractError`` (``contract_error``, not retried: the agent's own HTTP client raises its
+own error class, e.g. ``openai.BadRequestError``, which would otherwise be an
+``unexpected_error``), while an agent that caught the refusal and finished its episode
+(ending it on a full context, say) keeps its group; an episode that made no model call is
+a ``ContractError``; anything else the episode raises goes to the worker's failure
+taxonomy as is.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from producers.inference.capture import (
     LocalGateway,
     Upstream,
 )
+from producers.inference.capture.render import LocalTemplate
 from schemas import Completion, ContractError, InferenceUnavailable
 
 
@@ -96,25 +102,45 @@ async def captured_group(upstream: Upstream, item: Item, play: EpisodePlay, *,
                                  policy_version=policy_version, tool_parser=tool_parser)
         try:
             result = await play(capture, params)
-        finally:
-            captured = capture.close()
-        return captured, result
+        except Exception as exc:
+            failure = episode_failure(index, capture.close())
+            if failure is None:
+                raise
+            raise failure from exc
+        except BaseException:  # cancelled (a sibling episode failed): closed all the same
+            capture.close()
+            raise
+        return capture.close(), result
 
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(episode(index)) for index in range(group_size)]
     return build_rollout([task.result() for task in tasks], item)
 
 
-class UpstreamCache:
-    """One ``Upstream`` per pool (its model name and template probe are learned once)."""
+def episode_failure(index: int, captured: CapturedEpisode) -> Exception | None:
+    """What an episode that raised fails its job with (module docstring): its model calls'
+    failure when one explains it; None to let the episode's own exception through."""
+    if captured.unavailable_error is not None:
+        return InferenceUnavailable(f"episode {index}: a model call failed: "
+                                    f"{captured.unavailable_error}")
+    if captured.rejected_error is not None:
+        return ContractError(f"episode {index} ended on a refused model call: "
+                             f"{captured.rejected_error}")
+    return None
 
-    def __init__(self) -> None:
+
+class UpstreamCache:
+    """One ``Upstream`` per pool (its model name and template probe are learned once);
+    ``template`` renders chat continuations in this process (``Upstream``)."""
+
+    def __init__(self, template: LocalTemplate | None = None) -> None:
+        self.template = template
         self._by_pool: dict[int, Upstream] = {}
 
     def __call__(self, pool: InferencePool) -> Upstream:
         upstream = self._by_pool.get(id(pool))
         if upstream is None or upstream.pool is not pool:
-            upstream = self._by_pool[id(pool)] = Upstream(pool)
+            upstream = self._by_pool[id(pool)] = Upstream(pool, template=self.template)
         return upstream
 
 
@@ -156,6 +182,9 @@ class GatewayEpisodeEnv(RecordItems):
     - ``gateway``: None for a ``LocalGateway`` on the worker's pool (the workflow must use
       the ``http_client`` it is given), or e.g. ``RemoteGateway(url)``.
     - ``api_key``: what the workflow is told to send (a gateway checks none).
+    - ``template``: the in-process gateway renders chat continuations with it (the served
+      model's tokenizer and the server's chat template, ``LocalTemplate``) instead of two
+      ``/tokenize`` requests each, as ``rollq gateway --tokenizer`` does.
     """
 
     name: str
@@ -164,8 +193,12 @@ class GatewayEpisodeEnv(RecordItems):
     gateway: EpisodeGateway | None = None
     api_key: str = "rollq"
     tool_parser: str | None = "hermes"
+    template: LocalTemplate | None = None
     _upstreams: UpstreamCache = field(default_factory=UpstreamCache, init=False, repr=False)
     _local: dict[int, LocalGateway] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._upstreams = UpstreamCache(self.template)
 
     def _gateway(self, pool: InferencePool) -> EpisodeGateway:
         if self.gateway is not None:
@@ -188,9 +221,15 @@ class GatewayEpisodeEnv(RecordItems):
                 value = await self.workflow.run(dict(item.fields), base_url=opened.base_url,
                                                 http_client=opened.http_client,
                                                 api_key=self.api_key)
-            finally:
-                captured = await gateway.close(opened)
-            return captured, as_result(value)
+            except Exception as exc:
+                failure = episode_failure(index, await gateway.close(opened))
+                if failure is None:
+                    raise
+                raise failure from exc
+            except BaseException:  # cancelled: the gateway still forgets the episode
+                await gateway.close(opened)
+                raise
+            return await gateway.close(opened), as_result(value)
 
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(episode(index)) for index in range(group_size)]

@@ -26,7 +26,10 @@ Options every kind takes (the rest go to the package: ``gem.make``, the SkyRL en
   ``truncated_turn_penalty`` (``producers.envs.multiturn``): gem and SkyRL-gym;
 - ``size`` (items, default 1000) and ``first_seed`` (default 0): gem;
 - ``source``, ``split``, ``subset``, ``data_files`` (``load_records``): SkyRL-gym, AReaL;
-- ``gateway``: AReaL workflows: the URL of a ``rollq gateway`` (default: one in-process).
+- ``gateway``: AReaL workflows: the URL of a ``rollq gateway`` (default: one in-process);
+  ``tokenizer`` and ``chat_template``: the in-process one renders chat continuations with
+  the served model's tokenizer and the server's chat template (file) instead of
+  ``/tokenize`` requests (``rollq gateway --tokenizer --chat-template``'s options).
 
 The episode's return (sum of the env's turn rewards) is ``Completion.info["env_return"]``:
 score it with the ``env_return`` reward component.
@@ -45,6 +48,7 @@ from producers.envs.base import Env
 from producers.envs.dataset import load_records
 from producers.envs.multiturn import EpisodeEnv, EpisodeRunner, RecordEpisodeEnv
 from producers.inference.capture import RemoteGateway
+from producers.inference.capture.render import LocalTemplate
 from schemas import ConfigError
 
 DEFAULT_MAX_EPISODE_TURNS = 100
@@ -135,13 +139,15 @@ def areal_env(spec: str, **options: Any) -> Env:
         raise ConfigError(f"env kind 'areal': cannot load {spec!r}: {exc}") from exc
     records = _records("areal", options)
     gateway = options.pop("gateway", None)
+    tokenizer, chat_template = options.pop("tokenizer", None), options.pop("chat_template", None)
     name = f"areal:{spec}"
     if hasattr(found, "arun_episode"):
         if not callable(found):
             raise ConfigError(f"{spec!r} is a collector instance; name its class (one is "
                               "built per episode)")
-        if gateway is not None:
-            raise ConfigError("the 'gateway' option is for AReaL workflows, not collectors")
+        if gateway is not None or tokenizer is not None:
+            raise ConfigError("the 'gateway' and 'tokenizer' options are for AReaL workflows, "
+                              "not collectors")
         make_collector: Callable[[], Any] = lambda: found(**options)  # noqa: E731
         make_collector()  # bad options fail at start-up
         return ArealCollectorEnv(name, make_collector, records)
@@ -151,5 +157,13 @@ def areal_env(spec: str, **options: Any) -> Env:
                           "nor a RolloutCollector (arun_episode)")
     if options and not isinstance(found, type):
         raise ConfigError(f"{spec!r} is an instance and takes no options")
+    if chat_template is not None and tokenizer is None:
+        raise ConfigError("the 'chat_template' option needs 'tokenizer' (the served model's)")
+    if tokenizer is not None and gateway is not None:
+        raise ConfigError("the 'tokenizer' option is the in-process gateway's: give it to "
+                          "the rollq gateway (--tokenizer) instead")
+    template = None if tokenizer is None else LocalTemplate.load(
+        str(tokenizer), None if chat_template is None else str(chat_template))
     return areal_workflow_env(name, workflow, records,
-                              gateway=None if gateway is None else RemoteGateway(str(gateway)))
+                              gateway=None if gateway is None else RemoteGateway(str(gateway)),
+                              template=template)

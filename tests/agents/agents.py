@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -41,20 +42,29 @@ def calculate(expression: str) -> str:
     return f"{result:g}"
 
 
+TurnOptions = Callable[[int], dict[str, Any]]
+"""The request fields an agent adds on turn ``i`` (``tool_choice``, ``seed``, ``stop``…)."""
+
+
 async def calculator_episode(client: Any, question: str, *, max_calls: int = 4,
-                             scripted_tool_turns: int = 2, max_tokens: int = 96) -> float:
+                             scripted_tool_turns: int = 2, max_tokens: int = 96,
+                             options: TurnOptions | None = None,
+                             model: str = "any-model") -> float:
     """The agent: asks with the calculator tool, runs the tool calls the model makes and
     appends ``tool`` messages; when the model makes none (a tiny random model never does),
     its script calls the tool itself for the first ``scripted_tool_turns`` turns, so every
-    episode has 2..4 calls. Reward 1 when the last reply holds the tool's last result."""
+    episode has 2..4 calls. Reward 1 when the last reply holds the tool's last result.
+    ``options(turn)``: the request's fields beyond messages and tools (default:
+    ``max_tokens``)."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Use the calculator for arithmetic."},
         {"role": "user", "content": question}]
     last_result = "?"
     content = ""
     for turn in range(max_calls):
+        fields = options(turn) if options is not None else {"max_tokens": max_tokens}
         reply = await client.chat.completions.create(
-            model="any-model", messages=messages, tools=[CALCULATOR], max_tokens=max_tokens)
+            model=model, messages=messages, tools=[CALCULATOR], **fields)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         content = message.content or ""
@@ -77,9 +87,11 @@ class CalculatorEnv:
 
     name = "calculator"
 
-    def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96) -> None:
+    def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96,
+                 options: TurnOptions | None = None) -> None:
         self.scripted_tool_turns = scripted_tool_turns
         self.max_tokens = max_tokens
+        self.options = options
 
     def __len__(self) -> int:
         return len(QUESTIONS)
@@ -91,26 +103,37 @@ class CalculatorEnv:
                           sampling: SamplingParams) -> EpisodeResult:
         reward = await calculator_episode(client, item.fields["question"],
                                           scripted_tool_turns=self.scripted_tool_turns,
-                                          max_tokens=self.max_tokens)
+                                          max_tokens=self.max_tokens, options=self.options)
         return EpisodeResult(reward=reward, metadata={"question": item.fields["question"]})
 
 
 class CalculatorWorkflow:
     """The same agent as an AReaL-style workflow: its own ``openai.AsyncOpenAI`` on the
-    base URL it is given (and the http client, when there is one)."""
+    base URL it is given (and the http client, when there is one and ``use_http_client``:
+    AReaL documents the client as optional, and many agents ignore it)."""
 
-    def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96) -> None:
+    def __init__(self, scripted_tool_turns: int = 2, max_tokens: int = 96,
+                 options: TurnOptions | None = None, use_http_client: bool = True,
+                 model: str = "any-model") -> None:
         self.scripted_tool_turns = scripted_tool_turns
+        self.model = model
         self.max_tokens = max_tokens
+        self.options = options
+        self.use_http_client = use_http_client
+        self.runs = 0
+        """Episodes started (a test counts the tries of a job by it)."""
 
     async def run(self, data: dict[str, Any], *, base_url: str,
                   http_client: httpx.AsyncClient | None = None, api_key: str = "",
                   **extra: Any) -> float:
+        self.runs += 1
+        own = http_client if self.use_http_client else None
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none",
-                                      http_client=http_client, max_retries=0) as client:
+                                      http_client=own, max_retries=0) as client:
             return await calculator_episode(client, data["question"],
                                             scripted_tool_turns=self.scripted_tool_turns,
-                                            max_tokens=self.max_tokens)
+                                            max_tokens=self.max_tokens, options=self.options,
+                                            model=self.model)
 
 
 class RewritingEnv:

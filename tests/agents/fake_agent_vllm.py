@@ -117,7 +117,8 @@ class AgentFakeVLLM(FakeVLLM):
         if len(prompt_ids) >= self.max_model_len:
             return _json({"error": {"message": "prompt too long", "type": "BadRequestError",
                                     "param": "input_tokens", "code": 400}}, 400)
-        ids, finish = self._reply_ids(prompt_ids, body.get("max_tokens") or 64)
+        budget = (body.get("max_completion_tokens") if chat else None) or body.get("max_tokens")
+        ids, finish = self._reply_ids(prompt_ids, budget or 64)  # vLLM's chat precedence
         text = decode([i for i in ids if i != EOS])
         logprobs = [logprob_of(t, 0) for t in ids]
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),

@@ -73,7 +73,8 @@ async def test_calculator_agent_on_the_episode_api_stores_the_servers_tokens() -
         info = completion.info
         assert (info["episode"], info["sequence"], info["sequences"]) == (episode, 0, 1)
         assert info["capture"] == {"calls": 3, "token_in": 0, "text_drift": 0, "rejected": 0,
-                                   "unavailable": 0, "resent": 0}
+                                   "unavailable": 0, "resent": 0,
+                                   "chat_fallback": 0}
         assert info["env_score"] == 1.0  # the last reply names the tool's last result (20)
         masked = decode([t for t, m in zip(completion.completion_ids.tolist(),
                                            completion.loss_mask.tolist(), strict=True) if not m])
@@ -161,7 +162,7 @@ async def test_the_client_strips_forced_fields_unless_asked() -> None:
     sent = [body for path, body in fake.requests if path == "/v1/chat/completions"]
     assert all(b["logprobs"] and b["return_token_ids"] and b["model"] == "rollq-tiny"
                for b in sent)
-    assert captured.stats.calls == 3 and captured.stats.rejected == 0
+    assert captured.stats.calls == 3 and captured.stats.rejected == 1  # n=2, refused
     # the shapes are OpenAI's own
     openai.types.chat.ChatCompletion.model_validate(plain.model_dump())
     openai.types.Completion.model_validate(text.model_dump())

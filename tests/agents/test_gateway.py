@@ -264,11 +264,15 @@ async def test_an_episode_lost_by_a_restarted_gateway_is_retried_not_dead_letter
     assert classify(caught.value).kind is Kind.TRANSIENT
 
 
+@pytest.mark.parametrize("use_http_client", [True, False])
 async def test_workflow_through_the_in_process_gateway_on_real_workers(
-        redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+        redis_server: RedisServer, real_redis: aioredis.Redis, use_http_client: bool) -> None:
+    """``use_http_client=False``: the agent builds its own client from the base URL alone,
+    served by the worker's loopback listener while the group's episodes are open."""
     fake = AgentFakeVLLM()
     fake.script = tool_script(compact=True)
-    env = GatewayEpisodeEnv("calc-gw", CalculatorWorkflow(), RECORDS)
+    env = GatewayEpisodeEnv("calc-gw", CalculatorWorkflow(use_http_client=use_http_client),
+                            RECORDS)
     groups = await run_workers(redis_server.url, real_redis, env, fake, [0, 1])
     assert sorted(len(g.completions) for g in groups) == [2, 2]
     for group in groups:
@@ -276,6 +280,8 @@ async def test_workflow_through_the_in_process_gateway_on_real_workers(
         assert all(c.info["env_score"] == 1.0 for c in group.completions)
     all_runs = sorted(run for g in groups for c in g.completions for run in trainable_runs(c))
     assert all_runs == sorted(served(r) for r in fake.replies)
+    [local] = env._local.values()
+    assert local._listening is None and local._open == 0  # no port held between groups
     batch = await score_and_train(real_redis, groups)
     for group in batch.groups:
         assert [s.reward for s in group.scores] == [1.0, 1.0]

@@ -7,18 +7,31 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 
+from producers.envs.areal import areal_workflow_env
 from producers.envs.base import EpisodeResult, Item
-from producers.envs.episode import build_rollout
+from producers.envs.episode import GatewayEpisodeEnv, build_rollout
+from producers.envs.registry import make_env
 from producers.inference.capture import CapturedEpisode, EpisodeCapture, EpisodeClient, Upstream
 from producers.inference.capture.render import PROBE_MESSAGES, LocalTemplate, vllm_conversation
 from producers.inference.errors import InferenceRequestError
-from tests.agents.agents import QUESTIONS, calculator_episode
+from schemas import ConfigError
+from tests.agents.agents import QUESTIONS, CalculatorWorkflow, calculator_episode
 from tests.agents.fake_agent_vllm import AgentFakeVLLM, render
-from tests.agents.helpers import assert_exactly_served, pool_of, tool_script
+from tests.agents.helpers import (
+    assert_exactly_served,
+    pool_of,
+    served,
+    tool_script,
+    trainable_runs,
+)
+from tests.agents.pipeline import run_workers
+from tests.redis_server import RedisServer
 
 CONVERSATION = [{"role": "user", "content": "What is 6*7?"},
                 {"role": "assistant", "content": "Let me see."},
@@ -146,3 +159,38 @@ def test_messages_are_given_to_the_template_as_vllm_gives_them() -> None:
         {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]) is None
     template = LocalTemplate(tokenizer=None)
     assert template.render(CONVERSATION, template_options={"chat_template": "x"}) is None
+
+
+async def test_the_in_process_gateway_renders_with_the_envs_template(
+        redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
+    """``areal_workflow_env(..., template=)`` (``--env-option tokenizer=``): the worker's
+    in-process gateway renders continuations itself; the capture is the server's tokens."""
+    fake = AgentFakeVLLM()
+    fake.script = tool_script(compact=True)
+    template = FakeTemplate()
+    env = areal_workflow_env("calc-local-render", CalculatorWorkflow(),
+                             [{"question": q} for q in QUESTIONS], template=template)
+    [group] = await run_workers(redis_server.url, real_redis, env, fake, [0])
+    assert template.calls > 4  # the probe's four renders, then the episodes' own
+    assert all(c.info["capture"]["token_in"] == 2 for c in group.completions)
+    runs = sorted(run for c in group.completions for run in trainable_runs(c))
+    assert runs == sorted(served(reply) for reply in fake.replies)
+
+
+def test_the_areal_kind_takes_a_tokenizer_for_its_in_process_gateway(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the train extra is not installed")
+    from ops.tiny_model import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny", seed=0)
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"question": "What is 6*7?"}\n')
+    template = str(Path(__file__).with_name("tool_template.jinja"))
+    spec = "areal:tests.agents.agents:CalculatorWorkflow"
+    env = make_env(spec, source=str(source), tokenizer=str(model), chat_template=template)
+    assert isinstance(env, GatewayEpisodeEnv) and env.template is not None
+    with pytest.raises(ConfigError, match="needs 'tokenizer'"):
+        make_env(spec, source=str(source), chat_template=template)
+    with pytest.raises(ConfigError, match="rollq gateway"):
+        make_env(spec, source=str(source), tokenizer=str(model), gateway="http://gw:1")
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        make_env(spec, source=str(source), tokenizer=str(tmp_path / "nowhere"))

@@ -3,15 +3,13 @@ API and, unchanged, through ``rollq gateway`` (real uvicorn), on real workers, t
 trainer SDK. Every trainable token is what vLLM returned, id for id and logprob for logprob.
 
 Tool calling needs ``--enable-auto-tool-choice --tool-call-parser hermes`` and a chat
-template that renders tools; the tiny model's template does not, so this module starts a
-server of its own with ``tool_template.jinja`` (the session server keeps its flags).
+template that renders tools: the ``tool_vllm`` server (``tests/agents/conftest.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -46,30 +44,6 @@ from tests.serving import serve_asgi
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 GENERATION = ("/v1/chat/completions", "/v1/completions")
-
-
-@pytest.fixture(scope="module")
-def tool_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
-    python = os.environ.get("ROLLQ_TEST_VLLM_PYTHON", "")
-    if not python:
-        if os.environ.get("ROLLQ_REQUIRE_VLLM") == "1":
-            pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
-        pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
-    from ops.tiny_model import write_tiny_model
-
-    directory = tmp_path_factory.mktemp("tool-vllm")
-    model = write_tiny_model(directory / "rollq-tiny", seed=0)
-    # VllmProcess runs `python -m vllm...api_server <flags>`: a wrapper adds the tool flags
-    wrapper = directory / "python-with-tools"
-    wrapper.write_text(f'#!/bin/sh\nexec "{Path(python).absolute()}" "$@" '
-                       f'--enable-auto-tool-choice --tool-call-parser hermes '
-                       f'--chat-template "{TEMPLATE}"\n')
-    wrapper.chmod(0o755)
-    cache = Path(python).absolute().parent.parent / "inductor-cache"
-    server = VllmProcess(str(wrapper), model, directory / "server.log", max_model_len=1024,
-                         compile_cache=cache).start()
-    yield server
-    server.stop()
 
 
 def check_exact(groups: list[TrajectoryGroup], recorder: RecordingTransport) -> None:

@@ -3,10 +3,13 @@
 An ``EpisodeGateway`` opens an episode (``OpenEpisode``: its id, base URL, and the
 ``http_client`` to reach it with) and closes it (its ``CapturedEpisode``):
 
-- ``LocalGateway``: a ``CaptureHub`` in the worker's process, reached through
-  ``CaptureTransport`` (an httpx transport, no socket): agents that accept an
+- ``LocalGateway``: a ``CaptureHub`` in the worker's process. Agents that accept an
   ``http_client`` (``openai.AsyncOpenAI(base_url=..., http_client=...)``, AReaL's workflow
-  ``run(data, base_url=, http_client=, api_key=)``) are captured with no server running.
+  ``run(data, base_url=, http_client=, api_key=)``) reach it through ``CaptureTransport``
+  (an httpx transport, no socket); the base URL itself is a ``LoopbackListener`` on
+  ``127.0.0.1`` serving the same hub, so an agent that ignores ``http_client`` and builds
+  its own client from the URL is captured the same way. The listener runs while an
+  episode is open (from the first open to the last close).
 - ``RemoteGateway``: a ``rollq gateway`` over HTTP (``POST /episodes``, ``POST
   /episodes/<id>/close``): for agents that build their own client from a base URL, or run
   in another process or container. Its calls are stamped with no policy version (the
@@ -15,18 +18,18 @@ An ``EpisodeGateway`` opens an episode (``OpenEpisode``: its id, base URL, and t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 
 from producers.inference.capture.hub import CaptureHub
+from producers.inference.capture.listener import LoopbackListener
 from producers.inference.capture.record import CapturedEpisode
 from producers.inference.capture.session import PolicyVersionReader
 from schemas import ContractError, InferenceUnavailable
-
-LOCAL_BASE = "http://rollq-capture.local"
-"""Base URL of the in-process hub (resolved by ``CaptureTransport``, never by DNS)."""
 
 
 @dataclass(frozen=True)
@@ -67,19 +70,45 @@ class LocalGateway:
     def __init__(self, hub: CaptureHub) -> None:
         self.hub = hub
         self.transport = CaptureTransport(hub)
+        self._open = 0
+        self._listening: tuple[LoopbackListener, asyncio.Future[None]] | None = None
 
     async def open(self, *, defaults: dict[str, Any],
                    policy_version: PolicyVersionReader | None) -> OpenEpisode:
+        self._open += 1
+        try:
+            if self._listening is None:
+                listener = LoopbackListener(self.hub)
+                self._listening = (listener, asyncio.ensure_future(listener.start()))
+            listener, started = self._listening
+            await asyncio.shield(started)
+        except BaseException:
+            await self._release()
+            raise
         capture = self.hub.open(defaults=defaults, policy_version=policy_version)
-        client = httpx.AsyncClient(transport=self.transport, base_url=LOCAL_BASE,
+        client = httpx.AsyncClient(transport=self.transport, base_url=listener.url,
                                    timeout=None)
         return OpenEpisode(capture.episode_id,
-                           f"{LOCAL_BASE}/episodes/{capture.episode_id}/v1", client)
+                           f"{listener.url}/episodes/{capture.episode_id}/v1", client)
 
     async def close(self, episode: OpenEpisode) -> CapturedEpisode:
-        if episode.http_client is not None:
-            await episode.http_client.aclose()
-        return self.hub.close(episode.episode_id)
+        try:
+            if episode.http_client is not None:
+                await episode.http_client.aclose()
+            return self.hub.close(episode.episode_id)
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
+        """One episode fewer; the last one stops the listener."""
+        self._open -= 1
+        if self._open > 0 or self._listening is None:
+            return
+        listener, started = self._listening
+        self._listening = None
+        with contextlib.suppress(Exception):  # a failed start was raised to its opener
+            await started
+        await listener.aclose()
 
 
 class RemoteGateway:

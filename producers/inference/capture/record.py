@@ -96,6 +96,10 @@ class CaptureStats(BaseModel):
     resent: int = 0
     """Generations discarded and resent token-in: with ``continuation_check="after"``, the
     server's prompt for a chat continuation did not extend the earlier call's tokens."""
+    chat_fallback: int = 0
+    """Chat continuations whose template re-rendered the earlier reply but that could not go
+    token-in (a field ``/v1/completions`` cannot honour, e.g. a named ``tool_choice``): sent
+    as chat and kept as the server made them, each starting a new sequence."""
 
 
 class CapturedEpisode(BaseModel):
@@ -109,6 +113,10 @@ class CapturedEpisode(BaseModel):
     unavailable_error: str | None = None
     """Set when a call failed for want of inference: the episode is incomplete through no
     fault of the agent, so the job must be retried, never scored."""
+    rejected_error: str | None = None
+    """The first refusal of a call (a 4xx from the server, or the capture's own: ``n`` not
+    1): when the agent lets the error end its episode, the job is a contract error (the
+    same request would be refused again), not retried."""
 
 
 @dataclass

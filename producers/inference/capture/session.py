@@ -5,7 +5,9 @@ hand an OpenAI request body to ``chat`` or ``complete`` and get an OpenAI reply 
 On the way:
 
 - the served model's name replaces the agent's, the worker's sampling settings fill the
-  fields the agent left out, ``n`` must be 1 (a group's samples are separate episodes);
+  fields the agent left out (an agent's ``max_completion_tokens`` or ``max_tokens`` stands
+  for both: the worker's ``max_tokens`` is not added beside it), ``n`` must be 1 (a group's
+  samples are separate episodes; ``n=2`` is refused with a 400 naming ``n``);
 - token ids and logprobs are forced on (``return_token_ids``, ``logprobs``) and stripped
   from the reply again unless the agent asked for them;
 - **chat continuation**: when the messages are an earlier call's messages, its reply, then
@@ -19,7 +21,19 @@ On the way:
   reasoning, reformatted tool-call JSON), the call is sent **token-in**: the spliced ids to
   ``/v1/completions``, its reply turned into a chat message (tool calls parsed, Hermes
   format, ``capture.toolcalls``). Otherwise the chat request goes as sent (the server's own
-  tool and reasoning parsers apply). ``continuation_check="after"`` sends the chat request
+  tool and reasoning parsers apply). **Request fidelity**: a token-in call carries every
+  field that shapes the generation (``TOKEN_IN_FIELDS``: sampling, ``stop``, ``seed``,
+  ``logit_bias``, ``response_format`` and ``structured_outputs``…; the chat's
+  ``max_completion_tokens`` as ``max_tokens``, vLLM's precedence). A request that holds a
+  field ``/v1/completions`` cannot honour (``chat_only_field``: ``tool_choice`` ``required``
+  or a named function, which vLLM implements by guided decoding of the tool's JSON; ``echo``,
+  ``continue_final_message``…; any field this module does not know) is never cut down to
+  fit: it goes as chat, as sent, and its tokens are the server's. When they do not extend
+  the earlier call's (the template re-rendered it), the call starts a new sequence of the
+  episode (``capture.record``) instead of merging; ``CaptureStats.chat_fallback`` counts
+  these calls (a chat template that reads ``tool_choice`` or ``response_format``, which vLLM
+  hands to templates and ``/tokenize`` does not take, is outside this check: the renders
+  omit them). ``continuation_check="after"`` sends the chat request
   first and checks the prompt ids the server reports: when they extend the earlier call's
   prompt and completion the reply is kept (no extra request at all, what the gateway does
   by default); otherwise that generation is discarded (``CaptureStats.resent``) and the call
@@ -63,15 +77,30 @@ log = structlog.get_logger("rollq.capture")
 
 PolicyVersionReader = Callable[[], Awaitable[int]]
 
-SAMPLING_FIELDS = (
+TOKEN_IN_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "stop_token_ids",
-    "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-    "spaces_between_special_tokens", "response_format", "structured_outputs", "user",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
+    "stop_token_ids", "bad_words", "allowed_token_ids", "logit_bias", "ignore_eos",
+    "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens",
+    "response_format", "structured_outputs", "user", "priority", "vllm_xargs",
+    "repetition_detection", "thinking_token_budget", "truncate_prompt_tokens",
+    "truncation_side", "use_beam_search", "watermarking", "session_id", "kv_transfer_params",
 )
-"""Request fields a token-in chat call carries over to ``/v1/completions``."""
+"""Chat request fields a token-in call carries over to ``/v1/completions`` as they are
+(vLLM 0.32's completions request takes each with the chat's meaning)."""
+BUDGET_FIELDS = ("max_tokens", "max_completion_tokens")
+"""The generation budget: an agent that sets either gets no default for the other."""
 TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs")
 """Request fields that change how the chat template renders (sent to ``/tokenize`` too)."""
+TOKEN_IN_HANDLED = (
+    "messages", "model", "tools", "tool_choice", "max_completion_tokens", "logprobs",
+    "top_logprobs", "return_token_ids", "parallel_tool_calls", "stream", "stream_options",
+    "n", "request_id", "metadata", "store", "service_tier", "cache_salt", "add_special_tokens",
+    *TEMPLATE_FIELDS,
+)
+"""Chat request fields a token-in call honours otherwise: in the spliced prompt (messages,
+tools, the template's), by mapping (``max_completion_tokens``), in the reply it builds
+(``tool_choice`` ``auto``/``none``, ``logprobs``), or that do not touch the generation."""
 
 
 ContinuationCheck = Literal["before", "after"]
@@ -110,26 +139,34 @@ class EpisodeCapture:
         self.last_used = time.monotonic()
         self._counter = itertools.count()
         self._token_in = self._drift = self._rejected = self._unavailable = self._resent = 0
+        self._fallback = 0
         self._check_first = continuation_check == "before"
         self._unavailable_error: str | None = None
+        self._rejected_error: str | None = None
 
     # --- the two routes ------------------------------------------------------------------
 
     async def chat(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """An OpenAI ``/v1/chat/completions`` request body in, its reply body out."""
+        return await self._counted(self._chat(request))
+
+    async def _chat(self, request: Mapping[str, Any]) -> dict[str, Any]:
         body = await self._prepared(request)
         body["messages"] = [plain(message) for message in body.get("messages") or []]
         index, version = next(self._counter), await self._version()
         spliced: list[int] | None = None
         parent = self._chat_parent(body)
-        served: list[int] | None = None
-        if parent is not None and not self._check_first:
-            reply = await self._send(self.upstream.post("/v1/chat/completions", {
-                **body, "logprobs": True, "return_token_ids": True}))
+        blocker = chat_only_field(body) if parent is not None else None
+        if parent is not None and (blocker is not None or not self._check_first):
+            reply = await self._send(self._post_chat(body))
             served = parse_chat(reply)[0].prompt_ids
             if served[:len(parent.prompt_ids) + len(parent.completion_ids)] == [
                     *parent.prompt_ids, *parent.completion_ids]:
                 return self._record_chat(index, version, body, request, reply, token_in=False)
+            if blocker is not None:  # kept as the server made it: a sequence of its own
+                self._note_fallback(index, blocker)
+                return self._record_chat(index, version, body, request, reply,
+                                         token_in=False, text_drift=True)
             self._check_first = True  # the text path re-tokenised: go token-in from now
             spliced, rendered = await self._splice_chat(parent, body, served=served)
             if spliced is None:  # no splice possible: the reply in hand is as good as any
@@ -143,25 +180,32 @@ class EpisodeCapture:
             elif spliced is not None:
                 self._note_drift(index, spliced, rendered)
         reply = await self._send(self._chat_token_in(body, spliced) if spliced is not None
-                                 else self.upstream.post("/v1/chat/completions", {
-                                     **body, "logprobs": True, "return_token_ids": True}))
+                                 else self._post_chat(body))
         return self._record_chat(index, version, body, request, reply,
                                  token_in=spliced is not None)
 
+    def _post_chat(self, body: dict[str, Any]) -> Awaitable[dict[str, Any]]:
+        return self.upstream.post("/v1/chat/completions", {
+            **body, "logprobs": True, "return_token_ids": True})
+
     def _record_chat(self, index: int, version: int, body: dict[str, Any],
                      request: Mapping[str, Any], reply: dict[str, Any], *,
-                     token_in: bool) -> dict[str, Any]:
+                     token_in: bool, text_drift: bool | None = None) -> dict[str, Any]:
         [sample] = parse_chat(reply)
         message = dict(reply["choices"][0].get("message") or {})
         self._record(CapturedCall(
             index=index, route="chat", request=body, prompt_ids=sample.prompt_ids,
             completion_ids=sample.completion_ids, logprobs=sample.logprobs,
             finish_reason=sample.finish_reason, text=sample.text, message=message,
-            policy_version=version, token_in=token_in, text_drift=token_in))
+            policy_version=version, token_in=token_in,
+            text_drift=token_in if text_drift is None else text_drift))
         return public_reply(reply, request, route="chat")
 
     async def complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """An OpenAI ``/v1/completions`` request body in, its reply body out."""
+        return await self._counted(self._complete(request))
+
+    async def _complete(self, request: Mapping[str, Any]) -> dict[str, Any]:
         body = await self._prepared(request)
         prompt = body.get("prompt")
         index, version = next(self._counter), await self._version()
@@ -201,12 +245,14 @@ class EpisodeCapture:
         self.closed = True
         return CapturedEpisode(
             episode_id=self.episode_id, sequences=assemble_sequences(self.calls),
-            stats=self.stats(), unavailable_error=self._unavailable_error)
+            stats=self.stats(), unavailable_error=self._unavailable_error,
+            rejected_error=self._rejected_error)
 
     def stats(self) -> CaptureStats:
         return CaptureStats(calls=len(self.calls), token_in=self._token_in,
                             text_drift=self._drift, rejected=self._rejected,
-                            unavailable=self._unavailable, resent=self._resent)
+                            unavailable=self._unavailable, resent=self._resent,
+                            chat_fallback=self._fallback)
 
     # --- internals -----------------------------------------------------------------------
 
@@ -216,8 +262,10 @@ class EpisodeCapture:
         self.last_used = time.monotonic()
         body = {key: value for key, value in request.items()
                 if key not in ("stream", "stream_options")}
+        budgeted = any(body.get(key) is not None for key in BUDGET_FIELDS)
         for key, value in self.defaults.items():
-            body.setdefault(key, value)
+            if not (budgeted and key in BUDGET_FIELDS):  # the agent's budget wins
+                body.setdefault(key, value)
         if body.get("n", 1) != 1:
             raise InferenceRequestError("an episode's calls take n=1 (a group's samples are "
                                         "separate episodes)", status=400, param="n")
@@ -228,12 +276,19 @@ class EpisodeCapture:
     async def _version(self) -> int:
         return await self.policy_version() if self.policy_version is not None else 0
 
+    async def _counted(self, call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+        """A call's outcome, a refusal (ours, ``n=2``, or the server's 4xx) counted and kept:
+        an agent that lets it through fails its episode as a contract error."""
+        try:
+            return await call
+        except InferenceRequestError as exc:
+            self._rejected += 1
+            self._rejected_error = self._rejected_error or str(exc)
+            raise
+
     async def _send(self, call: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         try:
             return await call
-        except InferenceRequestError:
-            self._rejected += 1
-            raise
         except InferenceUnavailable as exc:
             self._unavailable += 1
             self._unavailable_error = self._unavailable_error or str(exc)
@@ -244,6 +299,13 @@ class EpisodeCapture:
             raise EpisodeClosed(f"episode {self.episode_id!r} closed during a call")
         self.calls.append(call)
         self.last_used = time.monotonic()
+
+    def _note_fallback(self, index: int, field: str) -> None:
+        self._drift += 1
+        self._fallback += 1
+        log.info("capture_chat_fallback", episode=self.episode_id, call=index, field=field,
+                 reason="the request holds a field /v1/completions cannot honour: sent as "
+                 "chat; its prompt re-renders the earlier reply, so it starts a new sequence")
 
     def _note_drift(self, index: int, spliced: list[int], rendered: list[int]) -> None:
         self._drift += 1
@@ -297,8 +359,8 @@ class EpisodeCapture:
         return spliced, rendered
 
     async def _chat_token_in(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
-        request = {key: body[key] for key in SAMPLING_FIELDS if key in body}
-        if "max_tokens" not in request and body.get("max_completion_tokens") is not None:
+        request = {key: body[key] for key in TOKEN_IN_FIELDS if key in body}
+        if body.get("max_completion_tokens") is not None:  # vLLM's chat takes it first
             request["max_tokens"] = body["max_completion_tokens"]
         tools_on = bool(body.get("tools")) and body.get("tool_choice") != "none"
         if tools_on:
@@ -346,6 +408,19 @@ class EpisodeCapture:
     async def _ids_after(self, parent: CapturedCall, rest: str) -> list[int]:
         tail = await self.upstream.tokenize(rest) if rest else []
         return [*parent.prompt_ids, *parent.completion_ids, *tail]
+
+
+def chat_only_field(body: Mapping[str, Any]) -> str | None:
+    """The first field of a chat request that a token-in call cannot honour; None when
+    ``/v1/completions`` can carry them all (module docstring)."""
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        return "tool_choice"  # required / named: guided decoding of the tool call's JSON
+    if body.get("parallel_tool_calls") is False:
+        return "parallel_tool_calls"
+    for key, value in body.items():
+        if value is not None and key not in TOKEN_IN_FIELDS and key not in TOKEN_IN_HANDLED:
+            return key
+    return None
 
 
 def plain(message: Any) -> dict[str, Any]:

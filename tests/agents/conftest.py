@@ -1,0 +1,44 @@
+"""The agents' real CPU vLLM: one server per test session with tool calling.
+
+Tool calling needs ``--enable-auto-tool-choice --tool-call-parser hermes`` and a chat
+template that renders tools; the tiny model's own template does not, so this server runs
+with ``tool_template.jinja``. It is its own server (the integration tier's session server
+keeps its flags and template: its tests' prompts are rendered by that template), started
+once and shared by every module of ``tests/agents``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ops.stack import VllmProcess
+
+TEMPLATE = Path(__file__).with_name("tool_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def tool_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
+    python = os.environ.get("ROLLQ_TEST_VLLM_PYTHON", "")
+    if not python:
+        if os.environ.get("ROLLQ_REQUIRE_VLLM") == "1":
+            pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
+        pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
+    from ops.tiny_model import write_tiny_model
+
+    directory = tmp_path_factory.mktemp("tool-vllm")
+    model = write_tiny_model(directory / "rollq-tiny", seed=0)
+    # VllmProcess runs `python -m vllm...api_server <flags>`: a wrapper adds the tool flags
+    wrapper = directory / "python-with-tools"
+    wrapper.write_text(f'#!/bin/sh\nexec "{Path(python).absolute()}" "$@" '
+                       f'--enable-auto-tool-choice --tool-call-parser hermes '
+                       f'--chat-template "{TEMPLATE}"\n')
+    wrapper.chmod(0o755)
+    cache = Path(python).absolute().parent.parent / "inductor-cache"
+    server = VllmProcess(str(wrapper), model, directory / "server.log", max_model_len=1024,
+                         compile_cache=cache).start()
+    yield server
+    server.stop()

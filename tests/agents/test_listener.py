@@ -1,0 +1,69 @@
+"""``LoopbackListener``: the in-process hub over real loopback HTTP (keep-alive, streaming,
+malformed requests), and ``LocalGateway`` holding it only while episodes are open."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+
+from producers.inference.capture import CaptureHub, LocalGateway, Upstream
+from producers.inference.capture.listener import LoopbackListener
+from tests.agents.fake_agent_vllm import AgentFakeVLLM
+from tests.agents.helpers import pool_of
+
+
+async def test_the_hub_answers_plain_http_streams_and_refuses_garbage() -> None:
+    fake = AgentFakeVLLM()
+    async with pool_of(fake) as pool:
+        hub = CaptureHub(Upstream(pool))
+        listener = LoopbackListener(hub)
+        await listener.start()
+        try:
+            async with httpx.AsyncClient(base_url=listener.url) as http:
+                opened = (await http.post("/episodes")).json()
+                base = listener.url + opened["base_path"]
+                async with openai.AsyncOpenAI(base_url=base, api_key="x",
+                                              max_retries=0) as agent:
+                    reply = await agent.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "hi"}])
+                    chunks = [chunk async for chunk in await agent.chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "again"}],
+                        stream=True)]
+                health = (await http.get("/health?verbose=1")).json()
+                closed = (await http.post(f"/episodes/{opened['episode_id']}/close")).json()
+            reader, writer = await asyncio.open_connection(listener.host, listener.port)
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            answer = await reader.read()
+            writer.close()
+            await writer.wait_closed()
+        finally:
+            await listener.aclose()
+    assert reply.choices[0].message.content == "reply 0"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "reply 1"
+    assert health["episodes"] == 1
+    assert closed["stats"]["calls"] == 2
+    assert answer.startswith(b"HTTP/1.1 400")
+
+
+async def test_the_local_gateway_listens_only_while_episodes_are_open() -> None:
+    fake = AgentFakeVLLM()
+    async with pool_of(fake) as pool:
+        gateway = LocalGateway(CaptureHub(Upstream(pool)))
+        first, second = await asyncio.gather(*(gateway.open(defaults={}, policy_version=None)
+                                               for _ in range(2)))
+        assert first.base_url.split("/episodes/")[0] == second.base_url.split("/episodes/")[0]
+        idle = httpx.AsyncClient()  # an agent's keep-alive connection, never closed by it
+        response = await idle.get(first.base_url.split("/episodes/")[0] + "/health")
+        assert response.json()["episodes"] == 2
+        await gateway.close(first)
+        assert (await idle.get(second.base_url + "/models")).status_code == 200
+        await gateway.close(second)
+        try:
+            await idle.get(second.base_url + "/models")
+            raise AssertionError("the listener still answers after the last episode closed")
+        except httpx.TransportError:
+            pass
+        finally:
+            await idle.aclose()
