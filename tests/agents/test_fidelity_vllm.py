@@ -34,7 +34,8 @@ from tests.agents.test_vllm_agents import served_gateway
 from tests.integration.recording import RecordingTransport
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the first test starts the session's tool-calling vLLM (minutes on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 GENERATION = ("/v1/chat/completions", "/v1/completions")
 TRANSPORT = ("messages", "prompt", "model", "logprobs", "return_token_ids")
 FORCED = {"type": "function", "function": {"name": CALCULATOR["function"]["name"]}}

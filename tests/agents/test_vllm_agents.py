@@ -41,7 +41,8 @@ from tests.integration.recording import RecordingTransport
 from tests.redis_server import RedisServer, free_port
 from tests.serving import serve_asgi
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the first test starts the session's tool-calling vLLM (minutes on a loaded machine)
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 GENERATION = ("/v1/chat/completions", "/v1/completions")
 
