@@ -63,6 +63,7 @@ class CommonSettings(BaseModel):
     log_format: Literal["auto", "json", "console"] = "auto"
     """``auto``: console in a terminal, JSON otherwise."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lines below this level are not written (rollq's own and its libraries')."""
     redis_ca_file: Path | None = None
     """With ``rediss://``: the CA bundle that signed the server's certificate."""
     redis_cert_file: Path | None = None
@@ -180,11 +181,16 @@ class WorkerSettings(CommonSettings):
     model: str = ""
     """Model name the servers serve; empty: asked from ``/v1/models``."""
     group_size: int = Field(default=8, ge=1)
+    """Completions per prompt: one GRPO group (``n`` of the generation request)."""
     concurrency: int = Field(default=8, ge=1)
     """Rollout jobs one worker process runs at once (arq ``max_jobs``)."""
     max_tokens: int = Field(default=256, ge=1)
+    """Most tokens generated per completion (per model turn in multi-turn envs); an agent's
+    own ``max_completion_tokens``/``max_tokens`` wins for its calls."""
     temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; 1.0 samples the policy itself, as on-policy RL wants."""
     top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus mass; 1.0 keeps every token."""
     sampling_options: dict[str, Any] = Field(default_factory=dict)
     """Extra fields of every generation request (vLLM's OpenAI API names, e.g. ``min_p``,
     ``repetition_penalty``, ``structured_outputs``); ``top_k``, ``seed`` and ``stop`` set
@@ -192,7 +198,10 @@ class WorkerSettings(CommonSettings):
     job_timeout_s: float = Field(default=600.0, gt=0)
     """A job running longer is cancelled and retried (arq ``job_timeout``)."""
     max_tries: int = Field(default=5, ge=1)
+    """Tries of a rollout job before it is dead-lettered (retryable failures only; see the
+    failures reference)."""
     request_timeout_s: float = Field(default=300.0, gt=0)
+    """Longest wait for one generation request (seconds) before it counts as failed."""
     grace_s: int = Field(default=25, ge=0)
     """On SIGINT/SIGTERM, jobs in hand get this long to finish (seconds) before they are
     cancelled back into the queue; below Kubernetes' default 30 s stop window."""
@@ -238,7 +247,10 @@ SAMPLING_OWNED = {
 class FeederSettings(CommonSettings):
     section: str = Field(default="feeder", exclude=True, repr=False)
     env: str = "gsm8k"
+    """The env whose items are fed: the workers' ``env`` (jobs name it; workers of another
+    env refuse them)."""
     env_options: dict[str, Any] = Field(default_factory=dict)
+    """The env's keyword arguments, as the workers' (the dataset and its size)."""
     epochs: int = Field(default=1, ge=1)
     """Passes over the dataset; the cursor lives in Redis."""
     max_staleness: int = Field(default=1, ge=0)

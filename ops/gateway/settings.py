@@ -15,7 +15,9 @@ class GatewaySettings(CommonSettings):
 
     section: str = Field(default="gateway", exclude=True, repr=False)
     host: str = "127.0.0.1"
+    """Address to listen on (``0.0.0.0``: every interface)."""
     port: int = Field(default=8100, ge=0, le=65535)
+    """Port to listen on."""
     inference: InferenceUrls = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """vLLM base URLs (one model); balanced, health-checked, paused-aware like a worker's."""
     model: str | None = None
