@@ -15,8 +15,8 @@ taken run by run (cluster/node and wait1/cluster), medianed. All roles share thi
 loop, each on its own client, as in ``bench.bus --mode loop``. On one machine the cluster
 cannot be faster (its six servers share the same cores): what the run shows is the cost of
 the cluster client and how evenly the partitions spread over the masters (keys and bytes
-per master after ``--buffered`` groups are published and scored). README: "Scaling past one
-Redis node" turns these into the scaling model for N machines.
+per master after ``--buffered`` groups are published and scored). docs/operations.md:
+"Scaling past one Redis node" turns these into the scaling model for N machines.
 """
 
 from __future__ import annotations

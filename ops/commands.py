@@ -139,7 +139,7 @@ async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> in
 
 def _score_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward-config", type=Path, metavar="YAML",
-                        help="reward config (see README: Rewards) [default: gsm8k accuracy "
+                        help="reward config (see docs/guides/rewards.md) [default: gsm8k accuracy "
                         "+ think format]")
     parser.add_argument("--concurrency", type=int, help="groups scored at once [16]")
     parser.add_argument("--processes", type=int,

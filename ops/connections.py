@@ -1,6 +1,6 @@
 """Redis connections of every role, built from the settings in one place.
 
-Two planes (README "Scaling past one Redis node"):
+Two planes (docs/operations.md, "Scaling past one Redis node"):
 
 - **Data plane** (``redis_url``): the run's streams, counters and state, all under rollq's
   hash tags. ``redis://`` / ``rediss://`` name one server; ``redis+cluster://`` /

@@ -43,7 +43,8 @@ class _Refused(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Dead letters are groups and jobs that failed for good (see README: Failures), kept "
+        "Dead letters are groups and jobs that failed for good (see "
+        "docs/reference/failures.md), kept "
         "with their reason and original payload in rollq:{RUN:P}:dead. List them, show one, "
         "or requeue them once the cause is fixed: a failed scoring or trainer entry goes back "
         "to its stream byte for byte, a failed rollout job is enqueued again. The group_id "
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     again.add_argument("ids", nargs="*", metavar="ID", help="the letters to requeue")
     for action in (listing, again):
         action.add_argument("--reason", help="only letters with this reason (e.g. "
-                            "reward_error; see README: Failures)")
+                            "reward_error; see docs/reference/failures.md)")
         action.add_argument("--since", metavar="TIME", help="only letters dead-lettered "
                             "after TIME: an age (30s, 15m, 2h, 1d) or an ISO time (UTC "
                             "unless it names a zone)")

@@ -43,7 +43,8 @@ Handler = Callable[[argparse.Namespace, Mapping[str, str]], Coroutine[Any, Any, 
 def add_common_flags(parser: argparse.ArgumentParser, *, metrics: bool = False) -> None:
     """The flags every command shares; ``metrics``: also ``--metrics-port``, for the
     long-running roles only (a one-shot command would have nothing to serve)."""
-    parser.add_argument("--config", type=Path, help="YAML config file (see README: Settings)")
+    parser.add_argument("--config", type=Path,
+                        help="YAML config file (see docs/reference/settings.md)")
     parser.add_argument("--redis-url", help="Redis URL [ROLLQ_REDIS_URL, default "
                         "redis://127.0.0.1:6379/0]")
     parser.add_argument("--run", help="run name [ROLLQ_RUN, default 'default']")

@@ -3,8 +3,8 @@
 A stream entry is a flat map of field name -> bytes. Identity fields are plain ASCII so that
 ``XRANGE`` is readable and any Redis client can route on them; token arrays are raw
 little-endian bytes, concatenated over the group's completions with their lengths in
-``lengths``; everything else is one orjson document in ``meta``. The README documents the
-layout field by field.
+``lengths``; everything else is one orjson document in ``meta``.
+docs/reference/wire-format.md documents the layout field by field.
 
 A scored entry comes in two forms. The scorer's forward writes the *reference* form: the
 group's identity, its scores, and in ``traj`` the id of the trajectory's entry in the same

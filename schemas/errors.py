@@ -124,7 +124,8 @@ def access_refused(exc: BaseException, *, user: str | None = None,
         lacks = f"a key that {name} names"
     return AccessRefused(
         f"Redis refused {who} {lacks}: {detail}; grant it with ACL SETUSER (rollq's keys "
-        "are ~rollq:* and, for feed and workers, arq's ~arq:*; README \"TLS and ACL users\")")
+        "are ~rollq:* and, for feed and workers, arq's ~arq:*; docs/operations.md, "
+        "\"TLS and ACL\")")
 
 
 @contextmanager

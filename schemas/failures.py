@@ -12,7 +12,7 @@ group posted over an HTTP API) ends in exactly one of:
 ``classify`` sorts an exception into a ``Failure`` (its kind and reason name); ``decide``
 turns that, the attempt number and the role's limits into a ``Verdict``. Roles call these
 two and never match exception classes of their own, so the reason names below are the
-whole vocabulary of dead letters (they are part of the wire contract: README, "Failures").
+whole vocabulary of dead letters (they are part of the wire contract: docs/reference/failures.md).
 An infrastructure failure is never turned into a score: a reward component that cannot run
 is a ``reward`` failure (retried, then ``reward_error``), not a reward of 0.
 """
