@@ -148,8 +148,6 @@ async def test_groups_come_back_exactly_as_posted(redis: aioredis.Redis) -> None
     ({"tokens": [[2**40]], "masks": [[1]], "scores": [1.0]}, "outside 0.."),
     ({"tokens": [[1]], "masks": [[-7]], "scores": [1.0]}, "neither -100 nor a token id"),
     ({"tokens": [[1]], "masks": [[1]], "scores": [float("nan")]}, "non-finite"),
-    ({"tokens": [[1]], "masks": [[1]], "scores": [1.0], "inference_logprobs": [[1.0, 2.0]]},
-     "inference_logprobs[0] has 2 values"),
     ({"tokens": [[1]], "masks": [[1]], "scores": [1.0], "advantages": [[float("inf")]]},
      "non-finite"),
 ])
