@@ -1,0 +1,93 @@
+"""``rollq atropos-env ENV ARGS…``: run an Atropos env as its authors do (``python ENV
+serve ARGS…``), with atroposlib 0.4.0's single-server quirk fixed.
+
+atroposlib 0.4.0's ``ServerManager`` takes a server config that is not a list as a
+*baseline*: it builds four servers at ``http://localhost:9004..9007/v1`` from it and
+ignores its ``base_url``. An env whose ``config_init`` returns one ``APIServerConfig``
+or a ``ServerBaseline`` (which ``--openai.*`` flags turn into one ``APIServerConfig``)
+therefore never reaches the server its flags name: it waits for a healthy server
+forever and logs nothing. (``config_init`` returning ``[config]``, as atroposlib's GSM8K
+example does, is not affected.) Run through this module, such a config is handed to
+``ServerManager`` as a list of one when its ``base_url`` is set (with ``api_key`` "x"
+when none was given, as atroposlib's baseline servers get), and one line on stderr says
+so; without a ``base_url`` it stays a baseline, and the line says which flag is
+missing. Nothing else of the env changes.
+
+ENV is a file (``environments/gsm8k_server.py``: run as ``__main__``, as ``python
+FILE`` would) or ``MODULE:CLASS`` (a ``BaseEnv`` subclass: its ``cli()``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+USAGE = ("usage: rollq atropos-env ENV serve|process|evaluate [ARGS…]\n"
+         "  ENV: an env file (environments/gsm8k_server.py) or MODULE:CLASS; ARGS as the "
+         "env's own CLI takes them (--env.rollout_server_url, --openai.base_url, …)")
+PREFIX = "rollq atropos-env:"
+
+
+def _say(line: str) -> None:
+    print(f"{PREFIX} {line}", file=sys.stderr, flush=True)
+
+
+def fix_single_server() -> None:
+    """Make atroposlib's ``ServerManager`` use a lone server config's ``base_url``
+    (module docstring). Idempotent."""
+    handling = "atroposlib.envs.server_handling"
+    manager: Any = importlib.import_module(f"{handling}.server_manager").ServerManager
+    baseline = importlib.import_module(f"{handling}.server_baseline")
+    api_server_config, server_baseline = baseline.APIServerConfig, baseline.ServerBaseline
+    original = manager.__init__
+    if getattr(original, "rollq_single_server", False):
+        return
+
+    @functools.wraps(original)
+    def init(self: Any, configs: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(configs, api_server_config) and configs.base_url:
+            _say(f"using {configs.base_url} as the env's inference server (atroposlib "
+                 "0.4.0 would use localhost:9004-9007 for a config that is not a list)")
+            # api_key "x" when none was given, as atroposlib's baseline servers get it
+            configs = [configs.model_copy(update={"api_key": configs.api_key or "x"})]
+        elif isinstance(configs, server_baseline) and not kwargs.get("testing"):
+            _say("the env names no inference server: atroposlib uses "
+                 "http://localhost:9004..9007/v1; pass --openai.base_url "
+                 "http://API/inference/v1 (and --openai.server_type vllm)")
+        original(self, configs, *args, **kwargs)
+
+    init.rollq_single_server = True  # type: ignore[attr-defined]  # a marker on the function
+    manager.__init__ = init  # the point of this module
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ENV's CLI with ARGS (``sys.argv[1:]`` when ``argv`` is None)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    target, rest = args[0], args[1:]
+    fix_single_server()
+    if target.endswith(".py") or Path(target).is_file():
+        sys.argv = [target, *rest]
+        sys.path.insert(0, str(Path(target).resolve().parent))  # as `python FILE` does
+        runpy.run_path(target, run_name="__main__")
+        return 0
+    module, _, name = target.partition(":")
+    if not name:
+        print(f"{PREFIX} {target!r} is neither a .py file nor MODULE:CLASS\n{USAGE}",
+              file=sys.stderr)
+        return 2
+    env_class = getattr(importlib.import_module(module), name)
+    sys.argv = [target, *rest]
+    env_class.cli()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
