@@ -62,7 +62,7 @@ def _sloppy_groups() -> list[dict[str, Any]]:
     longer["advantages"] = [[0.5] * (len(t) + 1) for t in longer["tokens"]]
     shorter = atropos_group(2)
     shorter["advantages"] = [[0.25] * (len(t) - 2) for t in shorter["tokens"]]
-    shorter["inference_logprobs"] = [row + [-1.0] for row in shorter["inference_logprobs"]]
+    shorter["inference_logprobs"] = [[*row, -1.0] for row in shorter["inference_logprobs"]]
     contents = atropos_group(3, messages=[_chat("", "   ", "42"), _chat("\n", "7", 7.5)])
     missing = atropos_group(4, messages=[_chat("s", None, ""), [
         {"role": "user", "content": "q", "reward": 1.0},
