@@ -13,6 +13,12 @@ when none was given, as atroposlib's baseline servers get), and one line on stde
 so; without a ``base_url`` it stays a baseline, and the line says which flag is
 missing. Nothing else of the env changes.
 
+Under transformers 5, ``apply_chat_template`` returns a ``BatchEncoding`` unless
+``return_dict=False``; atroposlib 0.4.0's ``tokenize_for_trainer`` (and envs of its time)
+expect the list of ids transformers 4 returned, and the env cannot post its group
+(``Object of type BatchEncoding is not JSON serializable``). In this process a call that
+tokenises without saying ``return_dict`` gets the list again (``fix_chat_template``).
+
 ENV is a file (``environments/gsm8k_server.py``: run as ``__main__``, as ``python
 FILE`` would) or ``MODULE:CLASS`` (a ``BaseEnv`` subclass: its ``cli()``).
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import runpy
 import sys
 from collections.abc import Sequence
@@ -65,6 +72,31 @@ def fix_single_server() -> None:
     manager.__init__ = init  # the point of this module
 
 
+def fix_chat_template() -> None:
+    """Under transformers >= 5, make ``apply_chat_template`` return token ids, not a
+    ``BatchEncoding``, when the caller tokenises without naming ``return_dict`` (what
+    transformers 4 did; module docstring). Idempotent; nothing under transformers 4."""
+    transformers: Any = importlib.import_module("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return
+    base = transformers.PreTrainedTokenizerBase
+    original = base.apply_chat_template
+    if getattr(original, "rollq_ids_by_default", False):
+        return
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def apply_chat_template(self: Any, *args: Any, **kwargs: Any) -> Any:
+        given = signature.bind_partial(self, *args, **kwargs).arguments
+        if given.get("tokenize", True) and "return_dict" not in given:
+            kwargs["return_dict"] = False
+        return original(self, *args, **kwargs)
+
+    apply_chat_template.rollq_ids_by_default = True  # type: ignore[attr-defined]  # a marker
+    base.apply_chat_template = apply_chat_template
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ENV's CLI with ARGS (``sys.argv[1:]`` when ``argv`` is None)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -73,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     target, rest = args[0], args[1:]
     fix_single_server()
+    fix_chat_template()
     if target.endswith(".py") or Path(target).is_file():
         sys.argv = [target, *rest]
         sys.path.insert(0, str(Path(target).resolve().parent))  # as `python FILE` does
