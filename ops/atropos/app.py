@@ -40,6 +40,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ops.atropos.convert import mismatched_fields
 from ops.atropos.inference import add_inference_routes, inference_upstream
 from ops.atropos.models import (
     EnvIdentifier,
@@ -199,12 +200,22 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
     return model.model_validate_json(await request.body())
 
 
-def _metrics(settings: AtroposApiSettings) -> RoleMetrics:
+OUTCOMES = ("rejected", "fields_set_aside", "batch_redelivered")
+"""What ``rollq_atropos_events_total{event=…}`` counts, per API process: groups answered
+422, groups stored with per-token rows set aside, batches handed out again."""
+
+
+def _metrics(settings: AtroposApiSettings, events: Counter[str]) -> RoleMetrics:
     from ops.connections import redis_options
     from ops.metrics import RoleMetrics
 
-    return RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
-                       redis_options=redis_options(settings))
+    metrics = RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
+                          redis_options=redis_options(settings))
+    for event in OUTCOMES:
+        metrics.add_counter("rollq_atropos_events", "Atropos API events of this process: "
+                            "groups rejected (422), groups with per-token rows set aside, "
+                            "batches handed out again", lambda e=event: events[e], event=event)
+    return metrics
 
 
 def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = None,
@@ -212,6 +223,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
     """The API for ``settings.run``. ``redis`` (tests) is used instead of opening a client
     from ``settings.redis_url``, and is then not closed here; ``transport`` reaches the
     inference servers (``settings.inference``, ``ops.atropos.inference``)."""
+    events: Counter[str] = Counter()  # this process's, for /metrics (OUTCOMES)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -224,7 +236,8 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
                                     gzip_level=settings.gzip_level,
                                     dedup_window_s=settings.dedup_window_s,
                                     piece_cache_bytes=settings.piece_cache_mb << 20,
-                                    delivery_wait_s=settings.delivery_wait_s) as store, \
+                                    delivery_wait_s=settings.delivery_wait_s,
+                                    events=events) as store, \
                     inference_upstream(settings.inference, model=settings.model or None,
                                        timeout_s=settings.request_timeout_s,
                                        transport=transport) as upstream:
@@ -256,6 +269,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
 
     @app.exception_handler(ContractError)
     async def invalid_data(request: Request, exc: ContractError) -> JsonResponse:
+        events["rejected"] += 1
         log.warning("group_rejected", path=request.url.path, detail=str(exc))
         return _problem(422, str(exc))
 
@@ -271,7 +285,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
         return _problem(404, str(exc))
 
     add_inference_routes(app)
-    add_metrics_route(app, lambda: _metrics(settings))
+    add_metrics_route(app, lambda: _metrics(settings, events))
 
     @app.get("/")
     async def root() -> dict[str, str]:
@@ -366,7 +380,9 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
     @app.post("/scored_data")
     async def scored_data(request: Request) -> dict[str, Any]:
         data = await _body(request, ScoredData)
-        return await store_of(request).post(data)
+        answer = await store_of(request).post(data)
+        events["fields_set_aside"] += bool(mismatched_fields(data))
+        return answer
 
     @app.post("/scored_data_list")
     async def scored_data_list(request: Request) -> dict[str, Any]:
@@ -380,6 +396,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
         for group in groups:  # identical groups of one list are distinct posts
             same = orjson.dumps([group.env_id, group.tokens, group.scores])
             result = await store.post(group, occurrence=seen[same])
+            events["fields_set_aside"] += bool(mismatched_fields(group))
             seen[same] += 1
             if result["status"] == "buffered":
                 buffered += 1

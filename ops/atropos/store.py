@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +127,8 @@ class AtroposStore:
                  consumer_group: str = "atropos", partitions: int = 1,
                  lock_timeout_s: float = 30.0, cache_groups: int = 4096,
                  gzip_level: int = 1, dedup_window_s: int = 600,
-                 piece_cache_bytes: int = 512 << 20, delivery_wait_s: float = 5.0) -> None:
+                 piece_cache_bytes: int = 512 << 20, delivery_wait_s: float = 5.0,
+                 events: Counter[str] | None = None) -> None:
         self.redis = redis
         self.run = run
         self.rewards = rewards
@@ -137,6 +139,8 @@ class AtroposStore:
         self.gzip_level = gzip_level
         self.dedup_window_s = dedup_window_s
         self.delivery_wait_s = delivery_wait_s
+        self.events: Counter[str] = Counter() if events is None else events
+        """Counts of this process (``batch_redelivered``), for ``/metrics``."""
         self._state = run_key(run, "atropos")
         self._record_delivery = redis.register_script(_RECORD_DELIVERY)
         self._envs = run_key(run, "atropos:envs")
@@ -271,6 +275,7 @@ class AtroposStore:
                     if reason is not None:
                         log.info("batch_redelivered", run=self.run, groups=len(kept),
                                  reason=reason)
+                        self.events["batch_redelivered"] += 1
                         return await self._hand_out(kept, prepared, formed=0)
                 await self._ack(kept)
             formed = 0
