@@ -51,6 +51,7 @@ env status and reset; ``ops.atropos.posting`` the writing of posted groups;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections import Counter
@@ -143,6 +144,9 @@ class AtroposStore:
         """Counts of this process (``batch_redelivered``), for ``/metrics``."""
         self._state = run_key(run, "atropos")
         self._record_delivery = redis.register_script(_RECORD_DELIVERY)
+        self._sending: tuple[str, asyncio.Event] | None = None
+        """The hand-out this process is sending, set once its verdict is recorded: a
+        ``/batch`` that follows on its heels waits for it without polling Redis."""
         self._envs = run_key(run, "atropos:envs")
         self._lock = ApiLock(redis, run_key(run, "atropos:lock"), lock_timeout_s)
         pieces_kept = PieceCache(piece_cache_bytes)
@@ -312,6 +316,7 @@ class AtroposStore:
                 pipe.hincrby(self._state, "step", formed)
             await pipe.execute()
         pieces = await self._queue.pieces(held, load=True)
+        self._sending = (handout, asyncio.Event())
         return Handout([pieces[r] for r in refs if r in pieces], handout)
 
     async def _undelivered(self, handout: str | None, delivery: str | None) -> str | None:
@@ -329,7 +334,12 @@ class AtroposStore:
                 return "answer_not_sent"
             if time.monotonic() >= deadline:
                 return "answer_unconfirmed"
-            await asyncio.sleep(0.01)
+            if self._sending is not None and self._sending[0] == handout:
+                with contextlib.suppress(TimeoutError):  # sent by this process: no polling
+                    await asyncio.wait_for(self._sending[1].wait(),
+                                           max(0.0, deadline - time.monotonic()))
+            else:
+                await asyncio.sleep(0.01)
             async with translated_errors("reading a delivery"):
                 raw = await self.redis.hget(self._state, "delivery")
             delivery = raw.decode() if isinstance(raw, bytes) else raw
@@ -341,6 +351,8 @@ class AtroposStore:
         verdict = SENT if sent else NOT_SENT
         async with translated_errors("recording a delivery"):
             recorded = await self._record_delivery(keys=[self._state], args=[handout, verdict])
+        if self._sending is not None and self._sending[0] == handout:
+            self._sending[1].set()
         if not sent and recorded:
             log.warning("batch_not_delivered", run=self.run, handout=handout,
                         detail="the client left before the whole answer was sent: the "
