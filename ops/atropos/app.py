@@ -3,10 +3,15 @@
 Same paths, bodies, answers and status codes as atroposlib 0.4.0's ``run-api`` server, so
 an env in ``serve`` mode and an Atropos trainer work by changing only the URL; what
 differs is that every state change is in Redis before the answer (``ops.atropos.store``).
-Differences a client can see, all on paths atroposlib answers with a crash or not at all:
+Differences a client can see (docs/atropos.md lists them; ``tests/atropos/test_differential``
+checks that everything else answers the same):
 
-- a posted group that is not self-consistent (lengths, non-finite floats, ids out of
-  range) is answered 422 with the reason and never stored; atroposlib stores it;
+- a posted group that is not self-consistent (masks or scores of the wrong length,
+  non-finite floats, ids out of range) is answered 422 with the reason and never stored;
+  atroposlib stores it (per-token rows that merely do not fit their tokens are stored,
+  kept verbatim, as atroposlib does: ``ops.atropos.convert.set_aside``);
+- a group posted before any trainer registered is kept (atroposlib's ``/register`` then
+  skips its set-up for good);
 - ``/status-env`` for an env_id nobody registered is a 404, not a 500;
 - a request that finds Redis unreachable is held and run again for up to
   ``outage_hold_s`` (``ops.atropos.outage``), then a 503;
@@ -15,6 +20,7 @@ Differences a client can see, all on paths atroposlib answers with a crash or no
 - ``POST /ack-batch`` (new): ack the batch last handed out without asking for another;
 - an identical re-post (same env, tokens and scores) within ``dedup_window_s`` is answered
   ``received`` and not stored again (atroposlib's env retries a post on 5xx/timeouts);
+  identical groups inside one ``/scored_data_list`` are distinct posts;
 - ``/batch`` answers gzip only to clients that ask for it (``Accept-Encoding``), joined
   from pieces deflated at post time (``ops.atropos.pieces``), never compressed per call.
 """
