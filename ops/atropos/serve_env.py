@@ -1,5 +1,5 @@
 """``rollq atropos-env ENV ARGS…``: run an Atropos env as its authors do (``python ENV
-serve ARGS…``), with atroposlib 0.4.0's single-server quirk fixed.
+serve ARGS…``), with three atroposlib 0.4.0 quirks fixed in the env's process.
 
 atroposlib 0.4.0's ``ServerManager`` takes a server config that is not a list as a
 *baseline*: it builds four servers at ``http://localhost:9004..9007/v1`` from it and
@@ -18,6 +18,13 @@ Under transformers 5, ``apply_chat_template`` returns a ``BatchEncoding`` unless
 expect the list of ids transformers 4 returned, and the env cannot post its group
 (``Object of type BatchEncoding is not JSON serializable``). In this process a call that
 tokenises without saying ``return_dict`` gets the list again (``fix_chat_template``).
+
+atroposlib's env gives up on the API after 3 quick tries (``/status-env``, posts,
+registration: ~1-4 s in all) and its process exits, so a restart of the API itself
+(~2 s) could end it; ``rollq atropos-api`` holds requests through Redis outages, but
+cannot answer while it restarts. Here those calls are retried with back-off for up to
+``PATIENCE_S`` (``be_patient``); a post tried again is answered, not stored twice, by
+the API's dedup window.
 
 ENV is a file (``environments/gsm8k_server.py``: run as ``__main__``, as ``python
 FILE`` would) or ``MODULE:CLASS`` (a ``BaseEnv`` subclass: its ``cli()``).
@@ -38,6 +45,10 @@ USAGE = ("usage: rollq atropos-env ENV serve|process|evaluate [ARGS…]\n"
          "  ENV: an env file (environments/gsm8k_server.py) or MODULE:CLASS; ARGS as the "
          "env's own CLI takes them (--env.rollout_server_url, --openai.base_url, …)")
 PREFIX = "rollq atropos-env:"
+PATIENCE_S = 120.0
+"""How long the env's calls to the API are retried (back-off up to 5 s) before it gives up."""
+RETRIED = ("get_status", "_send_scored_data_to_api", "_register_env")
+"""atroposlib's ``BaseEnv`` methods that call the API under a 3-try ``tenacity`` retry."""
 
 
 def _say(line: str) -> None:
@@ -97,6 +108,21 @@ def fix_chat_template() -> None:
     base.apply_chat_template = apply_chat_template
 
 
+def be_patient(patience_s: float = PATIENCE_S) -> None:
+    """Retry the env's API calls (``RETRIED``) for up to ``patience_s`` instead of 3
+    quick tries (module docstring). Idempotent."""
+    tenacity: Any = importlib.import_module("tenacity")
+    base: Any = importlib.import_module("atroposlib.envs.base").BaseEnv
+    for name in RETRIED:
+        method = getattr(base, name)
+        if getattr(method, "rollq_patient", False):
+            continue
+        patient = method.retry_with(stop=tenacity.stop_after_delay(patience_s),
+                                    wait=tenacity.wait_exponential(multiplier=0.25, max=5))
+        patient.rollq_patient = True
+        setattr(base, name, patient)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ENV's CLI with ARGS (``sys.argv[1:]`` when ``argv`` is None)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -106,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target, rest = args[0], args[1:]
     fix_single_server()
     fix_chat_template()
+    be_patient()
     if target.endswith(".py") or Path(target).is_file():
         sys.argv = [target, *rest]
         sys.path.insert(0, str(Path(target).resolve().parent))  # as `python FILE` does

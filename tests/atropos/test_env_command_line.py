@@ -1,8 +1,9 @@
 """An Atropos env started exactly as docs/atropos.md shows (``rollq atropos-env FILE serve
 --openai.* …``: its inference at ``rollq atropos-api --inference``'s ``/inference/v1``)
-reaches the trainer, and keeps running through a 5 s Redis restart (issue 32, items 4
-and 6): the API holds requests while Redis is away instead of answering 503, so the
-env's few quick retries never run out and its process does not exit.
+reaches the trainer, and keeps running through a 5 s Redis restart and a restart of the
+API process (issue 32, items 4 and 6): the API holds requests while Redis is away
+instead of answering 503, and ``rollq atropos-env`` retries the env's API calls while
+the API itself is away, so the env's process does not exit.
 
 The env file returns one server config from ``config_init`` (``lone_server_env``), the
 case atroposlib 0.4.0 alone sends to ``localhost:9004..9007``; the vLLM behind the API is
@@ -52,7 +53,7 @@ async def _until_groups(client: httpx.AsyncClient, groups: list[dict[str, Any]],
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-async def test_env_started_as_documented_reaches_the_trainer_and_rides_out_redis_restart(
+async def test_env_started_as_documented_reaches_the_trainer_and_rides_out_restarts(
         make_redis_server: type[RedisServer], tmp_path: Path) -> None:
     from ops.tiny_model import _write_tokenizer  # the tiny model's tokenizer, without torch
 
@@ -87,6 +88,10 @@ async def test_env_started_as_documented_reaches_the_trainer_and_rides_out_redis
                 await asyncio.to_thread(redis.kill)
                 await asyncio.sleep(5)  # Redis is away for 5 s; the env keeps polling
                 await asyncio.to_thread(redis.start)
+                await _until_groups(client, groups, before + 2 * BATCH // GROUP_SIZE, env, 180)
+                before = len(groups)
+                await asyncio.to_thread(api.kill)  # SIGKILL, started again at once
+                await asyncio.to_thread(api.start)
                 await _until_groups(client, groups, before + 2 * BATCH // GROUP_SIZE, env, 180)
                 assert env.process is not None and env.process.poll() is None
         except (AssertionError, TimeoutError) as exc:

@@ -14,7 +14,13 @@ pytest.importorskip("atroposlib", reason="atroposlib is not installed (pip insta
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig, ServerBaseline
 from atroposlib.envs.server_handling.server_manager import ServerManager
 
-from ops.atropos.serve_env import fix_chat_template, fix_single_server
+from ops.atropos.serve_env import (
+    PATIENCE_S,
+    RETRIED,
+    be_patient,
+    fix_chat_template,
+    fix_single_server,
+)
 
 URL = "http://127.0.0.1:8000/inference/v1"
 
@@ -23,8 +29,11 @@ URL = "http://127.0.0.1:8000/inference/v1"
 def restored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Undo the fixes after the test (they patch atroposlib / transformers classes)."""
     import transformers
+    from atroposlib.envs.base import BaseEnv
 
     monkeypatch.setattr(ServerManager, "__init__", ServerManager.__init__)
+    for name in RETRIED:
+        monkeypatch.setattr(BaseEnv, name, getattr(BaseEnv, name))
     monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "apply_chat_template",
                         transformers.PreTrainedTokenizerBase.apply_chat_template)
 
@@ -76,3 +85,13 @@ def test_tokenize_for_trainer_posts_under_transformers_5(restored: None,
     assert isinstance(tokenizer.apply_chat_template(chat, tokenize=False), str)
     if major >= 5:  # an explicit return_dict is still honoured
         assert not isinstance(tokenizer.apply_chat_template(chat, return_dict=True), list)
+
+
+def test_the_envs_api_calls_outlast_an_api_restart(restored: None) -> None:
+    from atroposlib.envs.base import BaseEnv
+
+    assert BaseEnv.get_status.retry.stop.max_attempt_number == 3  # atroposlib's: ~1-4 s
+    be_patient()
+    be_patient()  # idempotent
+    for name in RETRIED:
+        assert getattr(BaseEnv, name).retry.stop.max_delay == PATIENCE_S
