@@ -41,9 +41,10 @@ async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> i
 
 
 ENV_HELP = ("run an Atropos env as its authors do (`python ENV serve ARGS`), with "
-            "atroposlib 0.4.0's lone-server quirk fixed: --openai.base_url is used even when "
-            "the env's config_init returns a single server config (else it goes to "
-            "localhost:9004-9007)")
+            "atroposlib 0.4.0's quirks fixed: --openai.base_url is used even when the env's "
+            "config_init returns a single server config (else it goes to "
+            "localhost:9004-9007), tokenize_for_trainer works under transformers 5, and the "
+            "env's API calls are retried through an API restart")
 
 
 def add_env_arguments(parser: argparse.ArgumentParser) -> None:
