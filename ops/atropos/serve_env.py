@@ -130,22 +130,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0 if args else 2
     target, rest = args[0], args[1:]
-    fix_single_server()
-    fix_chat_template()
-    be_patient()
-    if target.endswith(".py") or Path(target).is_file():
-        sys.argv = [target, *rest]
-        sys.path.insert(0, str(Path(target).resolve().parent))  # as `python FILE` does
-        runpy.run_path(target, run_name="__main__")
-        return 0
+    is_file = target.endswith(".py") or Path(target).is_file()
     module, _, name = target.partition(":")
-    if not name:
+    if is_file and not Path(target).is_file():
+        print(f"{PREFIX} no such env file: {target}", file=sys.stderr)
+        return 2
+    if not is_file and not name:
         print(f"{PREFIX} {target!r} is neither a .py file nor MODULE:CLASS\n{USAGE}",
               file=sys.stderr)
         return 2
-    env_class = getattr(importlib.import_module(module), name)
+    fix_single_server()
+    fix_chat_template()
+    be_patient()
     sys.argv = [target, *rest]
-    env_class.cli()
+    if is_file:
+        sys.path.insert(0, str(Path(target).resolve().parent))  # as `python FILE` does
+        runpy.run_path(target, run_name="__main__")
+    else:
+        getattr(importlib.import_module(module), name).cli()
     return 0
 
 

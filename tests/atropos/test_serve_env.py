@@ -95,3 +95,13 @@ def test_the_envs_api_calls_outlast_an_api_restart(restored: None) -> None:
     be_patient()  # idempotent
     for name in RETRIED:
         assert getattr(BaseEnv, name).retry.stop.max_delay == PATIENCE_S
+
+
+def test_a_missing_env_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from ops.atropos.serve_env import main
+
+    assert main(["no/such/env.py", "serve"]) == 2
+    assert main(["not_a_target", "serve"]) == 2
+    err = capsys.readouterr().err
+    assert "no such env file: no/such/env.py" in err and "neither a .py file" in err
+    assert main([]) == 2 and main(["--help"]) == 0
