@@ -402,8 +402,10 @@ COMMANDS: dict[str, Command] = {
                    "'train' extra)", _tiny_model_args, tiny_model),
     "atropos-api": (atropos_command.HELP, atropos_command.add_arguments,
                     atropos_command.atropos_api),
+    "atropos-env": (atropos_command.ENV_HELP, atropos_command.add_env_arguments,
+                    atropos_command.atropos_env),
     "gateway": (gateway_command.HELP, gateway_command.add_arguments, gateway_command.gateway),
 }
-NO_COMMON_FLAGS = {"dead", "runs", "tiny-model"}
+NO_COMMON_FLAGS = {"dead", "runs", "tiny-model", "atropos-env"}
 LONG_RUNNING = {"workers", "feed", "score", "atropos-api", "gateway"}
 """The commands that take ``--metrics-port`` (the HTTP ones to say it is not used)."""

@@ -299,6 +299,14 @@ class AtroposApiSettings(CommonSettings):
     a 5xx or a timeout). 0: off."""
     lock_timeout_s: float = Field(default=30.0, gt=0)
     """Longest wait for, and hold of, the lock that serialises batch assembly."""
+    outage_hold_s: float = Field(default=30.0, ge=0)
+    """A request that finds Redis unreachable is run again (with back-off) for up to this
+    many seconds before it is answered 503: atroposlib's env exits after a few seconds of
+    errors, so a Redis restart must not reach it. 0: answer 503 at once."""
+    delivery_wait_s: float = Field(default=5.0, ge=0)
+    """How long ``/batch`` waits for the verdict on the previous batch's answer (sent in
+    full or not) before handing that batch out again: the verdict is recorded just after
+    the last byte is written, and is missing for good when the API that sent it died."""
     inference: InferenceUrls = Field(default_factory=list)
     """vLLM base URLs served to Atropos envs under ``/inference`` (atroposlib's ``vllm``
     server type: ``/generate`` with the server's token ids; ``ops.atropos.inference``).

@@ -3,15 +3,24 @@
 Same paths, bodies, answers and status codes as atroposlib 0.4.0's ``run-api`` server, so
 an env in ``serve`` mode and an Atropos trainer work by changing only the URL; what
 differs is that every state change is in Redis before the answer (``ops.atropos.store``).
-Differences a client can see, all on paths atroposlib answers with a crash or not at all:
+Differences a client can see (docs/guides/atropos.md lists them; ``tests/atropos/test_differential``
+checks that everything else answers the same):
 
-- a posted group that is not self-consistent (lengths, non-finite floats, ids out of
-  range) is answered 422 with the reason and never stored; atroposlib stores it;
+- a posted group that is not self-consistent (masks or scores of the wrong length,
+  non-finite floats, ids out of range) is answered 422 with the reason and never stored;
+  atroposlib stores it (per-token rows that merely do not fit their tokens are stored,
+  kept verbatim, as atroposlib does: ``ops.atropos.convert.set_aside``);
+- a group posted before any trainer registered is kept (atroposlib's ``/register`` then
+  skips its set-up for good);
 - ``/status-env`` for an env_id nobody registered is a 404, not a 500;
-- Redis unreachable is a 503 (atroposlib's env client retries on 5xx);
+- a request that finds Redis unreachable is held and run again for up to
+  ``outage_hold_s`` (``ops.atropos.outage``), then a 503;
+- ``/batch`` acks the batch it handed out before only if that answer was sent in full;
+  else it hands the same batch out again (``ops.atropos.store``);
 - ``POST /ack-batch`` (new): ack the batch last handed out without asking for another;
 - an identical re-post (same env, tokens and scores) within ``dedup_window_s`` is answered
   ``received`` and not stored again (atroposlib's env retries a post on 5xx/timeouts);
+  identical groups inside one ``/scored_data_list`` are distinct posts;
 - ``/batch`` answers gzip only to clients that ask for it (``Accept-Encoding``), joined
   from pieces deflated at post time (``ops.atropos.pieces``), never compressed per call.
 """
@@ -19,10 +28,12 @@ Differences a client can see, all on paths atroposlib answers with a crash or no
 from __future__ import annotations
 
 import gzip
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import httpx
 import orjson
 import redis.asyncio as aioredis
@@ -35,6 +46,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ops.atropos.convert import mismatched_fields
 from ops.atropos.inference import add_inference_routes, inference_upstream
 from ops.atropos.models import (
     EnvIdentifier,
@@ -46,6 +58,7 @@ from ops.atropos.models import (
     ServerInfo,
     Status,
 )
+from ops.atropos.outage import outage_riding_route, ride_out
 from ops.atropos.pieces import compress, gzip_chunks, raw_chunks, raw_length
 from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
 from ops.connections import open_redis, redis_options
@@ -80,26 +93,53 @@ class JsonResponse(Response):
             return json.dumps(content, separators=(",", ":")).encode()
 
 
+async def _client_left(receive: Receive) -> bool:
+    """Whether the client has disconnected, without waiting: the server has a
+    ``http.disconnect`` ready (request-body messages still queued are skipped)."""
+    while True:
+        message: Message | None = None
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            message = await receive()
+        if scope.cancelled_caught or message is None:
+            return False  # nothing ready: the connection is open
+        if message["type"] == "http.disconnect":
+            return True
+
+
 class ChunkedResponse(Response):
     """A JSON answer sent as a sequence of chunks with a known length: a 64-group batch is
-    ~30 MB even gzipped, and joining it first would only copy it once more."""
+    ~30 MB even gzipped, and joining it first would only copy it once more.
+
+    ``on_sent(sent)`` is awaited when the answer is over: ``sent`` is True once the last
+    byte was handed to the server with the client still connected (uvicorn drops writes
+    to a gone client silently, so the connection is checked before the end)."""
 
     media_type = "application/json"
 
     def __init__(self, chunks: Iterable[bytes | memoryview], *, length: int | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 on_sent: Callable[[bool], Awaitable[None]] | None = None) -> None:
         if length is None:
             chunks = list(chunks)
             length = sum(len(chunk) for chunk in chunks)
         self.chunks = chunks
+        self.on_sent = on_sent
         super().__init__(headers={**(headers or {}), "content-length": str(length)})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        sent = False
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            connected = not await _client_left(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            sent = connected
+        finally:
+            if self.on_sent is not None:
+                await self.on_sent(sent)
 
 
 class GzipRequests:
@@ -167,11 +207,21 @@ async def _body(request: Request, model: type[BaseModel]) -> Any:
     return model.model_validate_json(await request.body())
 
 
-def _metrics(settings: AtroposApiSettings) -> RoleMetrics:
+OUTCOMES = ("rejected", "fields_set_aside", "batch_redelivered")
+"""What ``rollq_atropos_events_total{event=…}`` counts, per API process: groups answered
+422, groups stored with per-token rows set aside, batches handed out again."""
+
+
+def _metrics(settings: AtroposApiSettings, events: Counter[str]) -> RoleMetrics:
     from ops.metrics import RoleMetrics
 
-    return RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
-                       redis_options=redis_options(settings))
+    metrics = RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
+                          redis_options=redis_options(settings))
+    for event in OUTCOMES:
+        metrics.add_counter("rollq_atropos_events", "Atropos API events of this process: "
+                            "groups rejected (422), groups with per-token rows set aside, "
+                            "batches handed out again", lambda e=event: events[e], event=event)
+    return metrics
 
 
 def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = None,
@@ -179,6 +229,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
     """The API for ``settings.run``. ``redis`` (tests) is used instead of opening a client
     from ``settings.redis_url``, and is then not closed here; ``transport`` reaches the
     inference servers (``settings.inference``, ``ops.atropos.inference``)."""
+    events: Counter[str] = Counter()  # this process's, for /metrics (OUTCOMES)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -191,7 +242,9 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
                                     lock_timeout_s=settings.lock_timeout_s,
                                     gzip_level=settings.gzip_level,
                                     dedup_window_s=settings.dedup_window_s,
-                                    piece_cache_bytes=settings.piece_cache_mb << 20) as store, \
+                                    piece_cache_bytes=settings.piece_cache_mb << 20,
+                                    delivery_wait_s=settings.delivery_wait_s,
+                                    events=events) as store, \
                     inference_upstream(settings.inference, model=settings.model or None,
                                        timeout_s=settings.request_timeout_s,
                                        transport=transport) as upstream:
@@ -206,6 +259,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
 
     app = FastAPI(title="rollq Atropos API", lifespan=lifespan,
                   default_response_class=JsonResponse)
+    app.router.route_class = outage_riding_route(settings.outage_hold_s)
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_credentials=True,
                        allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(GZipMiddleware, minimum_size=1000, compresslevel=settings.gzip_level)
@@ -222,6 +276,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
 
     @app.exception_handler(ContractError)
     async def invalid_data(request: Request, exc: ContractError) -> JsonResponse:
+        events["rejected"] += 1
         log.warning("group_rejected", path=request.url.path, detail=str(exc))
         return _problem(422, str(exc))
 
@@ -237,7 +292,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
         return _problem(404, str(exc))
 
     add_inference_routes(app)
-    add_metrics_route(app, lambda: _metrics(settings))
+    add_metrics_route(app, lambda: _metrics(settings, events))
 
     @app.get("/")
     async def root() -> dict[str, str]:
@@ -292,20 +347,31 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
     @app.get("/batch")
     async def batch(request: Request) -> Response:
         try:
-            groups = await store_of(request).next_batch()
+            handout = await store_of(request).next_batch()
         except NotRegistered:
             return JsonResponse({"status": "error",
                                  "message": "Trainer not registered. Call /register first.",
                                  "batch": []})
-        if groups is None:
+        if handout is None:
             return JsonResponse(b'{"batch":null}')
         pieces = [_BATCH_OPEN]
-        for i, group in enumerate(groups):
+        for i, group in enumerate(handout.pieces):
             pieces += [_COMMA, group] if i else [group]
         pieces.append(_BATCH_CLOSE)
+        store = store_of(request)
+
+        async def on_sent(sent: bool) -> None:  # the next /batch acks it only if sent
+            try:
+                await ride_out(lambda: store.record_delivery(handout.handout, sent),
+                               hold_s=settings.outage_hold_s, what="recording a delivery")
+            except TransientError as exc:
+                log.warning("delivery_not_recorded", run=settings.run, detail=str(exc),
+                            consequence="the batch will be handed out again")
+
         if _accepts_gzip(request):  # joined, not compressed again (ops.atropos.pieces)
-            return ChunkedResponse(gzip_chunks(pieces), headers=_GZIPPED)
-        return ChunkedResponse(raw_chunks(pieces), length=raw_length(pieces), headers=_VARY)
+            return ChunkedResponse(gzip_chunks(pieces), headers=_GZIPPED, on_sent=on_sent)
+        return ChunkedResponse(raw_chunks(pieces), length=raw_length(pieces), headers=_VARY,
+                               on_sent=on_sent)
 
     @app.post("/ack-batch")
     async def ack_batch(request: Request) -> dict[str, Any]:
@@ -321,7 +387,9 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
     @app.post("/scored_data")
     async def scored_data(request: Request) -> dict[str, Any]:
         data = await _body(request, ScoredData)
-        return await store_of(request).post(data)
+        answer = await store_of(request).post(data)
+        events["fields_set_aside"] += bool(mismatched_fields(data))
+        return answer
 
     @app.post("/scored_data_list")
     async def scored_data_list(request: Request) -> dict[str, Any]:
@@ -331,8 +399,12 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
             store.check(group)
         buffered = 0
         last_buffer_size: int | None = None
-        for group in groups:
-            result = await store.post(group)
+        seen: Counter[bytes] = Counter()
+        for group in groups:  # identical groups of one list are distinct posts
+            same = orjson.dumps([group.env_id, group.tokens, group.scores])
+            result = await store.post(group, occurrence=seen[same])
+            events["fields_set_aside"] += bool(mismatched_fields(group))
+            seen[same] += 1
             if result["status"] == "buffered":
                 buffered += 1
                 last_buffer_size = result.get("buffer_size", last_buffer_size)

@@ -1,10 +1,13 @@
 """An Atropos group (``ScoredData``) <-> a rollq group, field by field, exactly.
 
 Atropos -> rollq (``to_trajectory``): ``producers.envs.atropos_groups`` (the one mapping,
-shared with Atropos envs run as rollq envs; ``docs/atropos.md``).
+shared with Atropos envs run as rollq envs; ``docs/guides/atropos.md``).
 
 - advantages (``to_scored``): the posted per-token ``advantages`` after the prompt, the
   sequence advantage their mean over trained tokens; without them GRPO over the scores.
+- per-token float fields whose rows are not one value a token (``advantages`` longer
+  than its tokens, as atroposlib accepts them): ``set_aside``, kept verbatim for ``/batch``
+  and not used for rollq's own arrays (``mismatched_fields`` names them for a warning).
 
 rollq -> Atropos (``to_atropos``) gives back every key of ``ScoredData``, absent ones null.
 A field is rebuilt from the arrays only when, at post time, rebuilding it gave the posted
@@ -33,10 +36,27 @@ from producers.envs.atropos_groups import (
 )
 from schemas import ScoredGroup, SequenceScore, TrajectoryGroup
 
+PER_TOKEN_FLOATS = ("advantages", "inference_logprobs")
+"""Per-token float fields rollq reads into its own arrays when they fit the tokens."""
 ENV_SCORES = "atropos:env_scores"
 """``reward_config`` of scored groups whose rewards are the env's own scores."""
-__all__ = ["ENV_SCORE", "ENV_SCORES", "InvalidGroup", "to_atropos", "to_scored",
-           "to_trajectory"]
+__all__ = ["ENV_SCORE", "ENV_SCORES", "InvalidGroup", "mismatched_fields", "to_atropos",
+           "to_scored", "to_trajectory"]
+
+
+def mismatched_fields(data: ScoredData) -> list[str]:
+    """The per-token float fields of ``data`` with a row that is not one value a token
+    (atroposlib stores such a group as posted; a trainer that indexes by token fails)."""
+    tokens = data.tokens
+    return [name for name in PER_TOKEN_FLOATS
+            if (rows := getattr(data, name)) and len(rows) == len(tokens)
+            and any(len(row) != len(seq) for row, seq in zip(rows, tokens, strict=True))]
+
+
+def set_aside(data: ScoredData) -> tuple[ScoredData, dict[str, Any]]:
+    """``data`` without its mismatched per-token fields, and those fields as posted."""
+    aside = {name: getattr(data, name) for name in mismatched_fields(data)}
+    return (data.model_copy(update=dict.fromkeys(aside)) if aside else data), aside
 
 
 def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
@@ -45,7 +65,9 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
 
     Raises ``InvalidGroup`` for a group that is not self-consistent.
     """
-    sequences = atropos_sequences(data.__dict__, policy_version=policy_version)
+    usable, aside = set_aside(data)
+    sequences = atropos_sequences(usable.__dict__, policy_version=policy_version)
+    sequences.atropos["posted"].update(aside)
     now = time.time()
     try:
         return TrajectoryGroup(
@@ -60,6 +82,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
 def to_scored(trajectory: TrajectoryGroup, data: ScoredData) -> ScoredGroup:
     """The group scored with the env's own scores (``--rewards env``)."""
     start = len(trajectory.prompt_ids)
+    data, _ = set_aside(data)
     if data.advantages:
         token_advantages = [np.asarray(row[start:], dtype=np.float32)
                             for row in data.advantages]

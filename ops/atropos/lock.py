@@ -4,7 +4,9 @@ Batch assembly, env registration, status and reset read the state and write it b
 one of them at a time runs per run, whichever API process serves it: a Redis key taken
 with SET NX PX (expiring after ``timeout_s``, so a killed holder cannot keep it) and
 released only by its holder's token. An asyncio lock in front keeps this process's own
-requests from polling Redis against each other.
+requests from polling Redis against each other. A release that Redis did not get (it was
+down) is tried again before the next take: with AOF the key survives a Redis restart, and
+would otherwise block every request of the run until it expires.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class ApiLock:
         self.key = key
         self.timeout_s = timeout_s
         self._local = asyncio.Lock()
+        self._unreleased: set[str] = set()
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
@@ -43,6 +46,7 @@ class ApiLock:
         deadline = time.monotonic() + self.timeout_s
         timeout_ms = int(self.timeout_s * 1000)
         async with self._local:
+            await self._release_unreleased()
             pause = 0.001
             while True:
                 async with translated_errors("taking the API lock"):
@@ -56,5 +60,15 @@ class ApiLock:
             try:
                 yield
             finally:
-                with contextlib.suppress(BrokerUnavailable, redis_errors.RedisError, OSError):
-                    await self.redis.eval(_RELEASE, 1, self.key, token)
+                self._unreleased.add(token)
+                with contextlib.suppress(redis_errors.RedisError, OSError):
+                    await self._release(token)
+
+    async def _release(self, token: str) -> None:
+        await self.redis.eval(_RELEASE, 1, self.key, token)
+        self._unreleased.discard(token)
+
+    async def _release_unreleased(self) -> None:
+        for token in list(self._unreleased):
+            async with translated_errors("releasing the API lock"):
+                await self._release(token)

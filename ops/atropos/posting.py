@@ -5,7 +5,9 @@ A posted group is encoded once (``ops.atropos.convert``) and written by one Lua 
 ``/batch`` piece stored beside it (``rewards="env"``, the env's scores), or to the
 ``traj`` stream (``rewards="bridge"``: rollq's scorers score it). With ``dedup_window_s``
 the script also remembers the group's content digest (env, tokens, scores), so an
-identical re-post in that window is answered without a second XADD. A group whose size
+identical re-post in that window is answered without a second XADD; identical groups in
+one ``/scored_data_list`` are distinct posts (their place among the identical ones is part
+of the digest), so a retried list is recognised group by group. A group whose size
 differs from its env's registered size is buffered (an RPUSH) until some buffered groups
 sum to that size; those are XADDed and taken off the buffer in one MULTI/EXEC.
 """
@@ -27,7 +29,7 @@ import structlog
 
 from consumers.bus import translated_errors
 from ops.atropos.batching import groups_summing_to
-from ops.atropos.convert import InvalidGroup, to_scored, to_trajectory
+from ops.atropos.convert import InvalidGroup, mismatched_fields, to_scored, to_trajectory
 from ops.atropos.kept_pieces import PieceCache, build_piece, entry_text, piece_key
 from ops.atropos.models import ScoredData
 from ops.settings import RewardSource
@@ -66,9 +68,12 @@ class _Entry:
     digest: str
 
 
-def _digest(env: str, data: ScoredData) -> str:
-    """What makes two posts the same group: the env, every sequence's tokens, the scores."""
+def _digest(env: str, data: ScoredData, occurrence: int = 0) -> str:
+    """What makes two posts the same group: the env, every sequence's tokens, the scores,
+    and which of the identical groups of one request it is (``occurrence``)."""
     digest = hashlib.blake2b(env.encode(), digest_size=16)
+    if occurrence:
+        digest.update(b"occurrence:%d" % occurrence)
     try:
         for tokens in data.tokens:
             digest.update(len(tokens).to_bytes(4, "little"))
@@ -104,22 +109,30 @@ class Poster:
         """The list of ``env_id``'s posted groups waiting to sum to its group size."""
         return run_key(self.run, f"atropos:buffer:{env_id}")
 
-    async def post(self, data: ScoredData, envs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Store one posted group (or buffer it); the answer atroposlib gives."""
+    async def post(self, data: ScoredData, envs: list[dict[str, Any]],
+                   occurrence: int = 0) -> dict[str, Any]:
+        """Store one posted group (or buffer it); the answer atroposlib gives.
+        ``occurrence``: how many groups identical to it came before it in this request."""
+        mismatched = mismatched_fields(data)
+        if mismatched:
+            log.warning("group_fields_set_aside", run=self.run, fields=mismatched,
+                        detail="rows not one value a token: kept verbatim for /batch, "
+                        "not used for rollq's own arrays")
         env_id = data.env_id
         if env_id is not None and 0 <= env_id < len(envs):
             expected = envs[env_id]["group_size"]
             if len(data.tokens) != expected:
                 return await self._buffer(data, env_id, expected, envs)
-        await self._publish([data], envs)
+        await self._publish([data], envs, occurrence)
         return {"status": "received"}
 
     def check(self, data: ScoredData) -> None:
         """Raise ``InvalidGroup`` for a group that could not be stored."""
         to_trajectory(data, run=self.run, env="check", group_id="check", policy_version=0)
 
-    async def _publish(self, groups: Sequence[ScoredData], envs: list[dict[str, Any]]) -> None:
-        entries = await self._entries(groups, envs)
+    async def _publish(self, groups: Sequence[ScoredData], envs: list[dict[str, Any]],
+                       occurrence: int = 0) -> None:
+        entries = await self._entries(groups, envs, occurrence)
         async with translated_errors("posting a group"):
             pipe = self.redis.pipeline(transaction=True)
             for entry in entries:
@@ -152,20 +165,21 @@ class Poster:
                 await self.redis.hset(self._state, "latest",
                                       f"{last[0]} {entry_text(last[1])}")
 
-    async def _entries(self, groups: Sequence[ScoredData],
-                       envs: list[dict[str, Any]]) -> list[_Entry]:
+    async def _entries(self, groups: Sequence[ScoredData], envs: list[dict[str, Any]],
+                       occurrence: int = 0) -> list[_Entry]:
         async with translated_errors("reading the policy version"):
             raw = await self.redis.hget(state_key(self.run), POLICY_VERSION_FIELD)
         version = int(raw or 0)
         # CPU-bound (JSON, deflate: zlib lets other requests run meanwhile)
         return await asyncio.to_thread(
-            lambda: [self._encode(data, envs, version) for data in groups])
+            lambda: [self._encode(data, envs, version, occurrence) for data in groups])
 
-    def _encode(self, data: ScoredData, envs: list[dict[str, Any]], version: int) -> _Entry:
+    def _encode(self, data: ScoredData, envs: list[dict[str, Any]], version: int,
+                occurrence: int) -> _Entry:
         env_id = data.env_id
         env = envs[env_id]["real_name"] if env_id is not None and 0 <= env_id < len(envs) \
             else "atropos"
-        digest = _digest(env, data)
+        digest = _digest(env, data, occurrence)
         group_id = self._group_id(digest)
         trajectory = to_trajectory(data, run=self.run, env=env, group_id=group_id,
                                    policy_version=version)

@@ -4,7 +4,9 @@ Keys (run-wide ones under the run's hash tag, ``schemas.keys.run_key``):
 
     rollq:{<run>}:atropos           hash: registration (the trainer's, JSON), started, step,
                                     outstanding (the batch last handed out, JSON list of
-                                    [stream, entry id]), redeliver, latest ("<stream> <id>")
+                                    [stream, entry id]), handout (its id), delivery
+                                    ("<handout> sent|not_sent"), redeliver, prepared
+                                    (batches formed ahead), latest ("<stream> <id>")
     rollq:{<run>}:atropos:envs      list: registered envs (JSON), index = env_id
     rollq:{<run>}:atropos:buffer:<env_id>
                                     list: posted groups of a size other than their env's,
@@ -31,9 +33,13 @@ Delivery:
 - ``/batch`` reads the scored streams in consumer group ``atropos`` as consumer ``queue``:
   the queue is that consumer's pending list (XPENDING) minus the batch last handed out. A
   handed-out batch stays pending until the next ``/batch`` (or ``/ack-batch``) acks it
-  (counted ``consumed``); a ``/register`` in between (a restarted trainer) makes the next
-  ``/batch`` hand the same batch out again, less any group acked meanwhile. So a crash of
-  the trainer, of an API process or of Redis (AOF) loses no group, and no acked group is
+  (counted ``consumed``). The next ``/batch`` acks it only if its answer was sent in full
+  (the API that sent it recorded ``delivery`` = sent: last byte written, client still
+  connected); an answer cut off (the client left, the API was killed, Redis was down when
+  the verdict was due) makes the next ``/batch`` hand the same batch out again, as a
+  ``/register`` in between (a restarted trainer) does, less any group acked meanwhile. So
+  a crash of the trainer, of an API process or of Redis (AOF), or a trainer that never
+  read its answer, loses no group (it may see a batch twice), and no acked group is
   handed out again.
 
 Who owns what: this module the registration, the batches handed out and acked, the
@@ -44,9 +50,13 @@ env status and reset; ``ops.atropos.posting`` the writing of posted groups;
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -82,6 +92,27 @@ def _handed(state: dict[str, Any]) -> set[Ref]:
     return handed
 
 
+SENT, NOT_SENT = "sent", "not_sent"
+"""Verdicts on a hand-out's answer (the state's ``delivery`` field: ``<handout> <verdict>``)."""
+
+# Set a hand-out's verdict only while it is still the batch out (KEYS: state hash;
+# ARGV: hand-out id, verdict).
+_RECORD_DELIVERY = """
+if redis.call('HGET', KEYS[1], 'handout') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'delivery', ARGV[1] .. ' ' .. ARGV[2])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Handout:
+    """A batch as ``/batch`` hands it out: its groups' pieces, and the id under which
+    the API records whether the answer reached the client (``record_delivery``)."""
+
+    pieces: list[bytes]
+    handout: str
+
+
 class NotRegistered(Exception):
     """``/batch`` before any trainer called ``/register``."""
 
@@ -97,7 +128,8 @@ class AtroposStore:
                  consumer_group: str = "atropos", partitions: int = 1,
                  lock_timeout_s: float = 30.0, cache_groups: int = 4096,
                  gzip_level: int = 1, dedup_window_s: int = 600,
-                 piece_cache_bytes: int = 512 << 20) -> None:
+                 piece_cache_bytes: int = 512 << 20, delivery_wait_s: float = 5.0,
+                 events: Counter[str] | None = None) -> None:
         self.redis = redis
         self.run = run
         self.rewards = rewards
@@ -107,7 +139,14 @@ class AtroposStore:
         self.cache_groups = cache_groups
         self.gzip_level = gzip_level
         self.dedup_window_s = dedup_window_s
+        self.delivery_wait_s = delivery_wait_s
+        self.events: Counter[str] = Counter() if events is None else events
+        """Counts of this process (``batch_redelivered``), for ``/metrics``."""
         self._state = run_key(run, "atropos")
+        self._record_delivery = redis.register_script(_RECORD_DELIVERY)
+        self._sending: tuple[str, asyncio.Event] | None = None
+        """The hand-out this process is sending, set once its verdict is recorded: a
+        ``/batch`` that follows on its heels waits for it without polling Redis."""
         self._envs = run_key(run, "atropos:envs")
         self._lock = ApiLock(redis, run_key(run, "atropos:lock"), lock_timeout_s)
         pieces_kept = PieceCache(piece_cache_bytes)
@@ -190,9 +229,10 @@ class AtroposStore:
 
     # -- posting -------------------------------------------------------------------------------
 
-    async def post(self, data: ScoredData) -> dict[str, Any]:
-        """Store one posted group (or buffer it); the answer atroposlib gives."""
-        return await self._poster.post(data, await self.envs())
+    async def post(self, data: ScoredData, occurrence: int = 0) -> dict[str, Any]:
+        """Store one posted group (or buffer it); the answer atroposlib gives.
+        ``occurrence``: how many groups identical to it came before it in its request."""
+        return await self._poster.post(data, await self.envs(), occurrence)
 
     def check(self, data: ScoredData) -> None:
         """Raise ``InvalidGroup`` for a group that could not be stored."""
@@ -211,13 +251,15 @@ class AtroposStore:
 
     # -- batches ---------------------------------------------------------------------------
 
-    async def next_batch(self) -> list[bytes] | None:
-        """The groups of the next batch as pieces (``ops.atropos.pieces``: each group's
-        JSON, deflated), or None when none can be formed.
+    async def next_batch(self) -> Handout | None:
+        """The next batch (``Handout``: each group's piece, ``ops.atropos.pieces``), or
+        None when none can be formed.
 
         As atroposlib, a call that finds no batch formed ahead forms every batch the queue
-        allows, counts them all as steps, and hands out the last one formed first.
-        Raises ``NotRegistered`` before the first ``/register``.
+        allows, counts them all as steps, and hands out the last one formed first. The
+        batch handed out before is acked first, if its answer was sent in full
+        (``record_delivery``); else it is handed out again (``batch_redelivered``), as it
+        is after a ``/register``. Raises ``NotRegistered`` before the first ``/register``.
         """
         async with self._lock.held():
             state = await self.state()
@@ -225,18 +267,21 @@ class AtroposStore:
                 raise NotRegistered
             if state.get("started") != "1":
                 await self.redis.hset(self._state, "started", "1")
+            prepared = [_refs(batch) for batch in orjson.loads(state.get("prepared", "[]"))]
             outstanding = _refs(state.get("outstanding"))
             if outstanding:
                 still = set(await self._queue.pending())
                 kept = [r for r in outstanding if r in still]
-                if state.get("redeliver") == "1" and kept:
-                    held = await self._queue.fetch(kept)
-                    await self.redis.hdel(self._state, "redeliver")
-                    log.info("batch_redelivered", run=self.run, groups=len(kept))
-                    pieces = await self._queue.pieces(held, load=True)
-                    return [pieces[r] for r in kept if r in pieces]
+                if kept:
+                    reason = "trainer_registered" if state.get("redeliver") == "1" \
+                        else await self._undelivered(state.get("handout"),
+                                                     state.get("delivery"))
+                    if reason is not None:
+                        log.info("batch_redelivered", run=self.run, groups=len(kept),
+                                 reason=reason)
+                        self.events["batch_redelivered"] += 1
+                        return await self._hand_out(kept, prepared, formed=0)
                 await self._ack(kept)
-            prepared = [_refs(batch) for batch in orjson.loads(state.get("prepared", "[]"))]
             formed = 0
             if not prepared:
                 queue = await self.queue()
@@ -251,18 +296,67 @@ class AtroposStore:
             if not prepared:
                 return None
             refs = prepared.pop()
-            held = await self._queue.fetch(refs)
-            async with translated_errors("handing out a batch"):
-                pipe = self.redis.pipeline(transaction=True)
-                pipe.hset(self._state, mapping={"outstanding": orjson.dumps(refs),
-                                                "prepared": orjson.dumps(prepared)})
-                pipe.hdel(self._state, "redeliver")
-                if formed:
-                    pipe.hincrby(self._state, "step", formed)
-                await pipe.execute()
-            pieces = await self._queue.pieces(held, load=True)
+            handout = await self._hand_out(refs, prepared, formed=formed)
             log.info("batch_handed_out", run=self.run, groups=len(refs), formed=formed)
-            return [pieces[r] for r in refs if r in pieces]
+            return handout
+
+    async def _hand_out(self, refs: list[Ref], prepared: list[list[Ref]], *,
+                        formed: int) -> Handout:
+        """Record ``refs`` as the batch out (under a new hand-out id, no delivery verdict
+        yet) and the batches still formed ahead; return its pieces."""
+        held = await self._queue.fetch(refs)
+        handout = uuid.uuid4().hex
+        async with translated_errors("handing out a batch"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(self._state, mapping={"outstanding": orjson.dumps(refs),
+                                            "prepared": orjson.dumps(prepared),
+                                            "handout": handout})
+            pipe.hdel(self._state, "redeliver", "delivery")
+            if formed:
+                pipe.hincrby(self._state, "step", formed)
+            await pipe.execute()
+        pieces = await self._queue.pieces(held, load=True)
+        self._sending = (handout, asyncio.Event())
+        return Handout([pieces[r] for r in refs if r in pieces], handout)
+
+    async def _undelivered(self, handout: str | None, delivery: str | None) -> str | None:
+        """Why the batch out under ``handout`` must be handed out again, or None when its
+        answer was sent in full. With no verdict yet, waits up to ``delivery_wait_s`` for
+        one: the answer may still be finishing (the trainer can read the last bytes
+        before this API records them sent), or the API that sent it died."""
+        if handout is None:
+            return None  # handed out before hand-outs had ids: acked as then
+        deadline = time.monotonic() + self.delivery_wait_s
+        while True:
+            if delivery == f"{handout} {SENT}":
+                return None
+            if delivery == f"{handout} {NOT_SENT}":
+                return "answer_not_sent"
+            if time.monotonic() >= deadline:
+                return "answer_unconfirmed"
+            if self._sending is not None and self._sending[0] == handout:
+                with contextlib.suppress(TimeoutError):  # sent by this process: no polling
+                    await asyncio.wait_for(self._sending[1].wait(),
+                                           max(0.0, deadline - time.monotonic()))
+            else:
+                await asyncio.sleep(0.01)
+            async with translated_errors("reading a delivery"):
+                raw = await self.redis.hget(self._state, "delivery")
+            delivery = raw.decode() if isinstance(raw, bytes) else raw
+
+    async def record_delivery(self, handout: str, sent: bool) -> None:
+        """Record whether the answer of hand-out ``handout`` was sent in full (its last
+        byte written, the client still connected): the next ``/batch`` acks the batch
+        only then. Ignored when another batch was handed out since."""
+        verdict = SENT if sent else NOT_SENT
+        async with translated_errors("recording a delivery"):
+            recorded = await self._record_delivery(keys=[self._state], args=[handout, verdict])
+        if self._sending is not None and self._sending[0] == handout:
+            self._sending[1].set()
+        if not sent and recorded:
+            log.warning("batch_not_delivered", run=self.run, handout=handout,
+                        detail="the client left before the whole answer was sent: the "
+                        "next /batch hands the same batch out again")
 
     async def ack_outstanding(self) -> int:
         """Ack the batch last handed out (``/ack-batch``); returns the groups acked now."""
@@ -275,7 +369,7 @@ class AtroposStore:
                                               CONSUMED_COUNTER) if refs else 0
         async with translated_errors("acking a batch"):
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hdel(self._state, "outstanding", "redeliver")
+            pipe.hdel(self._state, "outstanding", "redeliver", "handout", "delivery")
             for stream, entry in refs:
                 pipe.hdel(piece_key(stream), entry)
             await pipe.execute()

@@ -3,7 +3,7 @@
 One mapping for both ways Atropos groups reach rollq: posted to the Atropos API
 (``ops.atropos.convert``) and returned by an Atropos env run as a rollq env
 (``producers.envs.atropos``). No atroposlib import: a group is a mapping with
-``ScoredDataGroup``'s keys (``docs/atropos.md`` lists the mapping).
+``ScoredDataGroup``'s keys (``docs/guides/atropos.md`` lists the mapping).
 
 - ``prompt_ids``: the longest prefix that is masked (-100) in every sequence and equal
   across them; each sequence's tokens after it are its ``completion_ids``.

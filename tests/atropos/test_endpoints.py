@@ -12,6 +12,8 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
+from ops.atropos.app import create_app
+from ops.settings import AtroposApiSettings
 from tests.atropos.helpers import (
     REGISTRATION,
     api_client,
@@ -19,6 +21,7 @@ from tests.atropos.helpers import (
     env_registration,
     marker_of,
 )
+from tests.redis_server import RedisServer
 
 server = pytest.importorskip("atroposlib.api.server",
                              reason="atroposlib is not installed (pip install rollq[atropos])")
@@ -148,8 +151,6 @@ async def test_groups_come_back_exactly_as_posted(redis: aioredis.Redis) -> None
     ({"tokens": [[2**40]], "masks": [[1]], "scores": [1.0]}, "outside 0.."),
     ({"tokens": [[1]], "masks": [[-7]], "scores": [1.0]}, "neither -100 nor a token id"),
     ({"tokens": [[1]], "masks": [[1]], "scores": [float("nan")]}, "non-finite"),
-    ({"tokens": [[1]], "masks": [[1]], "scores": [1.0], "inference_logprobs": [[1.0, 2.0]]},
-     "inference_logprobs[0] has 2 values"),
     ({"tokens": [[1]], "masks": [[1]], "scores": [1.0], "advantages": [[float("inf")]]},
      "non-finite"),
 ])
@@ -178,3 +179,28 @@ async def test_status_env_for_an_unknown_env_is_a_404(redis: aioredis.Redis) -> 
         response = await client.request("GET", "/status-env", json={"env_id": 3})
         assert response.status_code == 404
         assert "not registered" in response.json()["detail"]
+
+
+async def test_rejections_set_asides_and_redeliveries_are_counted(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    longer = atropos_group(1)
+    longer["advantages"] = [[0.5] * (len(t) + 1) for t in longer["tokens"]]
+    api = create_app(AtroposApiSettings(run="counted", redis_url=redis_server.url),
+                     redis=real_redis)
+    async with api.router.lifespan_context(api), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=api), base_url="http://atropos.test") as client:
+        await client.post("/register", json={**REGISTRATION, "batch_size": 2})
+        assert (await client.post("/scored_data", json=longer)).status_code == 200
+        bad = {"tokens": [[1, 2]], "masks": [[1]], "scores": [1.0]}
+        assert (await client.post("/scored_data_list", json=[bad])).status_code == 422
+        first = (await client.get("/batch")).json()["batch"]
+        await client.post("/register", json=REGISTRATION)  # a restarted trainer
+        assert (await client.get("/batch")).json()["batch"] == first
+        reply = await client.get("/metrics")
+    counted = {sample.labels["event"]: sample.value
+               for family in text_string_to_metric_families(reply.text)
+               for sample in family.samples if sample.name == "rollq_atropos_events_total"}
+    assert counted == {"rejected": 1, "fields_set_aside": 1, "batch_redelivered": 1}
+    assert first[0]["advantages"] == longer["advantages"]  # kept verbatim

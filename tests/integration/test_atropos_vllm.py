@@ -218,13 +218,15 @@ def test_serve_mode_envs_on_real_vllm_survive_api_and_redis_crashes(
     queued = httpx.get(f"{api.url}/status", timeout=10).json()["queue_size"]
 
     handed = [digest(g["tokens"]) for g in trainer.groups]
-    assert len(set(handed)) == len(handed)  # no group handed out twice
+    # At most the batch out when the API was killed is handed out twice: its answer may
+    # have reached the trainer before the API recorded it sent (a duplicate, never a loss)
+    assert len(handed) - len(set(handed)) in (0, 2), handed
     acknowledged = set(posted.read_text().split())
     total = stored(aof_redis, run)
     # Every acknowledged group is kept. A post cut short by the envs' stop (or by the
     # crash) may be stored without its answer reaching the env: stored, never lost.
     assert total >= len(acknowledged)
-    assert total == len(handed) + queued  # every stored group handed out once, or waiting
+    assert total == len(set(handed)) + queued  # every stored group handed out, or waiting
     assert len(acknowledged - set(handed)) <= queued  # the rest waits for a full batch
     for group in trainer.groups:
         check_token_exact(group)
@@ -279,11 +281,16 @@ def test_atropos_envs_as_rollq_workers_on_real_vllm_survive_api_and_redis_crashe
         trainer.until_groups(2)  # one batch from rollq's own workers
         crash_and_restart(api, aof_redis)  # mid-run: jobs in flight, a batch unacked
         trainer.until_groups(jobs)
+        while len({digest(g["tokens"]) for g in trainer.groups}) < jobs:  # a batch seen twice
+            trainer.until_groups(len(trainer.groups) + 1)
     except AssertionError:
         raise AssertionError(f"the groups did not come out:\n{_logs(tmp_path)}") from None
     assert httpx.post(f"{api.url}/ack-batch", timeout=10).json()["status"] == "acked"
     handed = [digest(g["tokens"]) for g in trainer.groups]
-    assert len(handed) == len(set(handed)) == jobs  # every job's group once, none again
+    assert len(set(handed)) == jobs  # every job's group
+    # none again, but for the batch out when the API was killed: its answer may have
+    # reached the trainer before the API recorded it sent (a duplicate, never a loss)
+    assert len(handed) - jobs in (0, 2), handed
     shapes = {check_token_exact(g) for g in trainer.groups}
     assert shapes == {"sums" if env_class == "ManagedSumsEnv" else "two_step"}
 
