@@ -1,7 +1,7 @@
 """An Atropos env file as many are written: ``config_init`` returns one server config,
 not a list. atroposlib 0.4.0 alone sends such an env's model calls to
 ``localhost:9004..9007`` whatever ``--openai.*`` says; started through ``rollq
-atropos-env`` (docs/atropos.md), the flags count:
+atropos-env`` (docs/guides/atropos.md), the flags count:
 
     rollq atropos-env tests/atropos/lone_server_env.py serve \\
         --env.rollout_server_url http://API --openai.server_type vllm \\

@@ -8,7 +8,7 @@ than their tokens, empty / whitespace / numeric / missing message contents, empt
 optional lists, integer scores, envs that never registered, a ``/scored_data_list`` of
 exactly ``batch_size`` sequences (identical groups included), groups that cannot pack
 into a batch, minimum allocations, gzip both ways. Where rollq answers differently on
-purpose, the test for it is elsewhere and the difference is in docs/atropos.md
+purpose, the test for it is elsewhere and the difference is in docs/guides/atropos.md
 (``test_endpoints.test_bad_groups_are_a_422_and_never_stored``).
 """
 
@@ -192,7 +192,7 @@ async def test_rollq_answers_as_atroposlib_does(redis: aioredis.Redis, name: str
 
 
 async def test_posts_before_register_are_kept_for_the_trainer(redis: aioredis.Redis) -> None:
-    """A difference on purpose (docs/atropos.md): atroposlib's ``/register`` skips its set-up
+    """A difference on purpose (docs/guides/atropos.md): atroposlib's ``/register`` skips its set-up
     when a group was posted before it, and its ``/batch`` then answers "not registered"
     for good; rollq keeps the group and batches it once a trainer registers."""
     reference = importlib.reload(server)

@@ -1,4 +1,4 @@
-"""An Atropos env started exactly as docs/atropos.md shows (``rollq atropos-env FILE serve
+"""An Atropos env started exactly as docs/guides/atropos.md shows (``rollq atropos-env FILE serve
 --openai.* …``: its inference at ``rollq atropos-api --inference``'s ``/inference/v1``)
 reaches the trainer, and keeps running through a 5 s Redis restart and a restart of the
 API process (issue 32, items 4 and 6): the API holds requests while Redis is away
