@@ -91,6 +91,12 @@ def redis_client(settings: CommonSettings) -> aioredis.Redis:
     return open_redis(settings)
 
 
+HTTP_GRACE_S = 10.0
+"""After SIGTERM/SIGINT, how long an HTTP role's requests in flight get to finish (a request
+the Atropos API holds through a Redis outage included) before uvicorn cuts them: their
+clients retry, and a retried post is deduplicated."""
+
+
 async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None = None) -> int:
     """Serve the FastAPI ``app`` with uvicorn until SIGTERM or SIGINT; ``Exit.OK`` once it
     has stopped gracefully.
@@ -115,7 +121,8 @@ async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None
             reason=f"this role answers GET /metrics on its own port ({port})")
     listener = _listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
-                                           access_log=False, lifespan="off"))
+                                           access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=int(HTTP_GRACE_S)))
 
     def stop(sig: int, frame: Any) -> None:
         server.should_exit = True

@@ -10,13 +10,17 @@ away, so only the stop can end it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 
+from ops.invocation import HTTP_GRACE_S
+from ops.stack import free_port
 from schemas.keys import stream_key
 from tests.outages.roles import QUICK_REWARD, RoleProcess
 from tests.waiting import until
@@ -88,3 +92,31 @@ async def test_a_role_signalled_during_an_outage_exits_0_within_its_grace(
     assert took < GRACE_S, f"{role} took {took:.1f} s to stop"
     assert len(process.events("redis_outage_started")) == 1
     assert not process.events("redis_outage_gave_up")
+
+
+@pytest.mark.slow
+async def test_the_atropos_api_signalled_while_it_holds_a_request_through_an_outage_exits_0(
+        make_redis_server: type) -> None:
+    """The Atropos API holds a request through a Redis outage (``outage_hold_s``, 30 s
+    here); a stop signal then gives it ``HTTP_GRACE_S``, not the whole hold, and exit 0."""
+    server = make_redis_server().start()
+    port = free_port()
+    process = await RoleProcess.start("atropos-api", "--redis-url", server.url, "--run", RUN,
+                                      "--port", str(port), ROLLQ_REDIS_GIVE_UP_S="300")
+    try:
+        await process.wait_for("atropos_api_started")
+        await asyncio.to_thread(server.kill)
+        async with httpx.AsyncClient(timeout=120) as http:
+            held = asyncio.create_task(http.get(f"http://127.0.0.1:{port}/status"))
+            await process.wait_for("redis_outage_held")
+            await asyncio.sleep(3.0)
+            assert process.process.returncode is None and not held.done()
+            sent = process.signal(signal.SIGTERM)
+            code = await process.finish(HTTP_GRACE_S + 20)
+            took = time.monotonic() - sent
+            with contextlib.suppress(httpx.HTTPError):
+                await held
+    finally:
+        process.kill()
+    assert code == 0, process.lines[-10:]
+    assert took < HTTP_GRACE_S + 3, f"atropos-api took {took:.1f} s to stop"
