@@ -340,14 +340,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
         directory = Path(tmp)
         model = write_tiny_model(directory / "rollq-tiny", seed=0)
         (directory / "template.jinja").write_text(TEMPLATE)
-        wrapper = directory / "python-with-tools"  # VllmProcess runs `python -m ... <flags>`
-        wrapper.write_text(f'#!/bin/sh\nexec "{Path(args.vllm_python).absolute()}" "$@" '
-                           f'--enable-auto-tool-choice --tool-call-parser hermes '
-                           f'--chat-template "{directory / "template.jinja"}"\n')
-        wrapper.chmod(0o755)
         cache = Path(args.vllm_python).absolute().parent.parent / "inductor-cache"
-        vllm = VllmProcess(str(wrapper), model, directory / "vllm.log", max_model_len=1024,
-                           compile_cache=cache)
+        vllm = VllmProcess(args.vllm_python, model, directory / "vllm.log", max_model_len=1024,
+                           compile_cache=cache, extra_args=[
+                               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                               "--chat-template", str(directory / "template.jinja")])
         print("== starting the CPU vLLM server with the tiny model ...", flush=True)
         vllm.start()
         assert vllm.process is not None

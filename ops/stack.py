@@ -141,6 +141,15 @@ class VllmProcess:
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=environment, start_new_session=True,
             )
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:  # not healthy, or the caller gave up (a timeout, Ctrl-C):
+            self.stop()        # never leave a server behind that nobody will stop
+            raise
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        assert self.process is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -148,11 +157,10 @@ class VllmProcess:
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     self._warm_up(timeout_s)
-                    return self
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        self.stop()
         raise InferenceUnavailable(f"vLLM not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
 
     def _warm_up(self, timeout_s: float) -> None:

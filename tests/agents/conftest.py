@@ -31,14 +31,10 @@ def tool_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]
 
     directory = tmp_path_factory.mktemp("tool-vllm")
     model = write_tiny_model(directory / "rollq-tiny", seed=0)
-    # VllmProcess runs `python -m vllm...api_server <flags>`: a wrapper adds the tool flags
-    wrapper = directory / "python-with-tools"
-    wrapper.write_text(f'#!/bin/sh\nexec "{Path(python).absolute()}" "$@" '
-                       f'--enable-auto-tool-choice --tool-call-parser hermes '
-                       f'--chat-template "{TEMPLATE}"\n')
-    wrapper.chmod(0o755)
     cache = Path(python).absolute().parent.parent / "inductor-cache"
-    server = VllmProcess(str(wrapper), model, directory / "server.log", max_model_len=1024,
-                         compile_cache=cache).start()
+    server = VllmProcess(python, model, directory / "server.log", max_model_len=1024,
+                         compile_cache=cache, extra_args=[
+                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             "--chat-template", str(TEMPLATE)]).start()
     yield server
     server.stop()
