@@ -60,14 +60,14 @@ def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], N
     from producers.envs.sums import sums_env
 
     config = RewardConfig.from_yaml(SUMS_REWARD)
-    with Evaluator(inference, _served_model(inference), config,
+    with Evaluator(inference, served_model(inference), config,
                    max_tokens=max_tokens) as evaluator:
         problems = {split: evaluator.problems(sums_env(split=split))
                     for split in ("train", "heldout")}
         yield SumsEvaluation(evaluator, problems, every, out / "evals.jsonl", say)
 
 
-def _served_model(url: str) -> str:
+def served_model(url: str) -> str:
     response = httpx.get(f"{url}/v1/models", timeout=30)
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
