@@ -24,6 +24,7 @@ evaluated accuracies, and ``summary.json`` holds the curves.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -117,7 +118,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     "sums": {"steps": 600, "batch_groups": 16, "group_size": 8, "max_tokens": 20, "lr": 5e-4,
              "kl_coef": 0.1, "torch_threads": 1},
     # The sums recipe; 80 tokens a call (the calc call alone is ~65 tokens).
-    "tools": {"steps": 300, "batch_groups": 16, "group_size": 8, "max_tokens": 80, "lr": 5e-4,
+    "tools": {"steps": 300, "batch_groups": 8, "group_size": 8, "max_tokens": 80, "lr": 5e-4,
               "kl_coef": 0.1, "torch_threads": 1},
 }
 
@@ -307,10 +308,17 @@ def _write_model(options: DemoOptions, out: Path,
         say(f"model: wrote the tiny Qwen2 model to {tiny}")
         return tiny, None
     from ops.warm_start import WarmStartOptions, describe, load_report, warm_start
-    from ops.warm_start_tools import describe_tools, load_tools_report, warm_start_tools
+    from ops.warm_start_tools import (
+        TOOLS_WARM_START,
+        describe_tools,
+        load_tools_report,
+        warm_start_tools,
+    )
 
     warmed = out / f"{options.task}-model"
-    warm_options = WarmStartOptions(steps=options.warm_start_steps, seed=options.seed)
+    warm_options = dataclasses.replace(
+        TOOLS_WARM_START if options.task == "tools" else WarmStartOptions(),
+        steps=options.warm_start_steps, seed=options.seed)
     load, train, show = ((load_report, warm_start, describe) if options.task == "sums" else
                          (load_tools_report, warm_start_tools, describe_tools))
     report = load(warmed, warm_options)

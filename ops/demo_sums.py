@@ -133,10 +133,13 @@ def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path
 
     curves = learning_curves(steps, evals)
     figure, axis = plt.subplots(figsize=(8, 4.5))
-    axis.plot(curves["steps"]["step"], curves["steps"]["format"], color="tab:gray",
-              linewidth=1, label="format reward (batch)")
+    if any(value is not None for value in curves["steps"]["format"]):  # tools has none
+        axis.plot(curves["steps"]["step"], curves["steps"]["format"], color="tab:gray",
+                  linewidth=1, label="format reward (batch)")
     axis.plot(curves["steps"]["step"], curves["steps"]["batch_accuracy"], color="tab:blue",
               alpha=0.35, linewidth=1, label="accuracy, sampled (batch)")
+    axis.plot(curves["evals"]["step"], curves["evals"]["train_format"], color="tab:gray",
+              linestyle="--", marker=".", label="format, 80 training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["train_accuracy"], color="tab:blue",
               marker="o", label="accuracy, 80 training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["heldout_accuracy"], color="tab:orange",
