@@ -299,7 +299,7 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20; tools 80]")
     parser.add_argument("--kl-coef", type=float,
                         help="KL term to the starting weights [0; sums 0.1]")
-    parser.add_argument("--eval-every", type=int, help="sums: evaluate every N steps [25]")
+    parser.add_argument("--eval-every", type=int, help="sums, tools: evaluate every N steps [25]")
     parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward (it must not rise)")

@@ -12,7 +12,6 @@ training problems must rise clearly above the warm start's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from ops.stack import VllmProcess
 from ops.warm_start_tools import warm_start_tools
 from producers.envs.sums import CHANCE
 from producers.envs.tools import VLLM_TOOL_FLAGS
+from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -49,11 +49,7 @@ def warm_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def tool_server(warm_model: Path, tmp_path_factory: pytest.TempPathFactory,
                 ) -> Iterator[VllmProcess]:
-    python = os.environ.get("ROLLQ_TEST_VLLM_PYTHON", "")
-    if not python:
-        if os.environ.get("ROLLQ_REQUIRE_VLLM") == "1":
-            pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
-        pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
+    python = vllm_python()
     cache = Path(python).resolve().parent.parent / "inductor-cache"
     server = VllmProcess(python, warm_model, tmp_path_factory.mktemp("vllm") / "server.log",
                          compile_cache=cache, extra_args=VLLM_TOOL_FLAGS).start()
