@@ -26,12 +26,15 @@ from producers.envs.tools import VLLM_TOOL_FLAGS
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-STEPS = 60
+STEPS = 250
 MARGIN = 0.15
 """Greedy training-problem accuracy after STEPS must be at least MARGIN above the first
-evaluation's (which sits near chance, 1/19)."""
+evaluation's (which sits near chance, 1/19): the sums test's bar and length. Not yet
+measured to pass: in the one run of this recipe so far (docs/demo-tools.md, a machine at
+load 17-33 on 2 cores) the greedy accuracy went 0.025 -> 0.100 by step 20 and stayed there
+to step 60+, the batch accuracy flat at ~0.04."""
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def test_tool_use_accuracy_rises_through_the_gateway(
 ) -> None:
     options = DemoOptions.for_task("tools", out=tmp_path / "tools", run="tools",
                                    redis_url=redis_server.url, inference=tool_server.url,
-                                   model=warm_model, steps=STEPS, eval_every=STEPS // 2)
+                                   model=warm_model, steps=STEPS, eval_every=50)
     result = run_demo(options, say=lambda _: None)
     curves = learning_curves(result.steps, result.evals)
     assert len(result.steps) == STEPS
