@@ -295,11 +295,12 @@ async def feed(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("demo-out"),
                         help="where the plot, summary, logs and model go [demo-out]")
-    parser.add_argument("--task", choices=("digits", "sums"), default="digits",
+    parser.add_argument("--task", choices=("digits", "sums", "tools"), default="digits",
                         help="digits: the digit-fraction toy reward; sums: single-digit sums "
                         "scored by format + math-verify accuracy, from a format warm start, "
-                        "with train and held-out accuracy curves [digits]")
-    parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600]")
+                        "with train and held-out accuracy curves; tools: the same sums asked of an "
+                        "openai agent that must call a calc tool, through rollq gateway [digits]")
+    parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600; tools 300]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
                         f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
                         "`bash .ci/setup.sh` makes]")
@@ -309,10 +310,10 @@ def _demo_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, help="AdamW learning rate [2e-3; sums 5e-4]")
     parser.add_argument("--group-size", type=int, help="completions per group [8]")
     parser.add_argument("--batch-groups", type=int, help="groups per step [8; sums 16]")
-    parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20]")
+    parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20; tools 80]")
     parser.add_argument("--kl-coef", type=float,
                         help="KL term to the starting weights [0; sums 0.1]")
-    parser.add_argument("--eval-every", type=int, help="sums: evaluate every N steps [25]")
+    parser.add_argument("--eval-every", type=int, help="sums, tools: evaluate every N steps [25]")
     parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward (it must not rise)")

@@ -23,6 +23,8 @@ evaluated accuracies, and ``summary.json`` holds the curves.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -43,16 +45,23 @@ from ops.demo_sums import (
     SumsEvaluation,
     learning_curves,
     plot_learning,
+    served_model,
     sums_evaluation,
 )
-from ops.stack import RedisProcess, VllmProcess
+from ops.demo_tools import TOOLS_REWARD, gateway_argv, tools_evaluation, wait_healthy
+from ops.stack import RedisProcess, VllmProcess, free_port
+from producers.envs.tools import VLLM_TOOL_FLAGS
 from schemas import ConfigError
 from schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_key, stream_key
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
 TORCHRUN_TRAINER = EXAMPLES / "torchrun_trainer.py"
-Task = Literal["digits", "sums"]
+Task = Literal["digits", "sums", "tools"]
+LEARNING_TASKS = ("sums", "tools")
+"""Tasks evaluated greedily during the run, with learning curves and a warm start."""
+TITLES = {"sums": "rollq demo --task sums: single-digit sums",
+          "tools": "rollq demo --task tools: sums with a calc tool, through rollq gateway"}
 
 DEMO_REWARD = """\
 # The demo's reward: the fraction of digit characters in the completion. Dense, so a tiny
@@ -108,6 +117,11 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # Measured on 2 CPU cores: accuracy on the training problems ~0.9 after ~600 steps.
     "sums": {"steps": 600, "batch_groups": 16, "group_size": 8, "max_tokens": 20, "lr": 5e-4,
              "kl_coef": 0.1, "torch_threads": 1},
+    # The sums recipe with half the batch; 80 tokens a call (the calc call alone is ~65
+    # tokens). lr 2e-3 breaks the warm start: one step from a batch with one rewarded
+    # episode took the KL to the start from 0 to 184 and the call format from 1.0 to 0.45.
+    "tools": {"steps": 300, "batch_groups": 8, "group_size": 8, "max_tokens": 80, "lr": 5e-4,
+              "kl_coef": 0.1, "torch_threads": 1},
 }
 
 
@@ -231,7 +245,9 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             vllm = VllmProcess(options.vllm_python, model, logs / "vllm.log",
                                compile_cache=cache,
                                weight_transfer="rollq_tcp" if options.weight_sync == "transfer"
-                               else None).start()
+                               else None,
+                               extra_args=VLLM_TOOL_FLAGS if options.task == "tools" else ()
+                               ).start()
             inference = vllm.url
             say(f"vllm: serving {model.name} at {inference}")
         client = redis.Redis.from_url(redis_url)
@@ -240,8 +256,7 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
                               "pick another --run or an empty Redis")
         env = {**os.environ, "ROLLQ_REDIS_URL": redis_url, "ROLLQ_RUN": options.run,
                "ROLLQ_LOG_FORMAT": "json"}
-        with sums_evaluation(options.task, inference, out, say, every=options.eval_every,
-                             max_tokens=options.max_tokens) as evaluation:
+        with _evaluation(options, inference, out, say) as evaluation:
             start_roles(processes, options, inference, env)
             metrics = out / "metrics.jsonl"
             trainer = trainer_argv(options, model, inference, out / "trainer", metrics)
@@ -262,9 +277,9 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
     result = DemoResult(steps=steps, wall_s=time.monotonic() - started, out=out, drops=drops,
                         evals=evals, warm_start=warm)
     flipped = " (flipped advantages)" if options.flip_advantages else ""
-    if steps and options.task == "sums":
+    if steps and options.task in LEARNING_TASKS:
         result.plot = plot_learning(steps, evals, out / "learning.png",
-                                    "rollq demo --task sums: single-digit sums" + flipped)
+                                    TITLES[options.task] + flipped)
     elif steps:
         result.plot = plot_rewards(steps, out / "reward.png",
                                    "rollq demo: digit-fraction reward" + flipped)
@@ -272,36 +287,66 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
     return result
 
 
+def _evaluation(options: DemoOptions, inference: str, out: Path,
+                say: Callable[[str], None]) -> contextlib.AbstractContextManager[
+                    SumsEvaluation | None]:
+    """The task's greedy evaluations during the run (None for ``digits``)."""
+    if options.task == "tools":
+        return tools_evaluation(inference, served_model(inference), out, say,
+                                every=options.eval_every, max_tokens=options.max_tokens)
+    return sums_evaluation(options.task, inference, out, say, every=options.eval_every,
+                           max_tokens=options.max_tokens)
+
+
 def _write_model(options: DemoOptions, out: Path,
                  say: Callable[[str], None]) -> tuple[Path, dict[str, Any] | None]:
-    """The tiny model (``digits``), or the tiny model warm-started on the format (``sums``;
-    reused when ``out`` already holds one)."""
+    """The tiny model (``digits``), or the tiny model warm-started on the format (``sums``,
+    ``tools``; reused when ``out`` already holds one)."""
     from ops.tiny_model import write_tiny_model
 
     tiny = out / "tiny-model"
-    if options.task != "sums":
+    if options.task not in LEARNING_TASKS:
         write_tiny_model(tiny, seed=0)
         say(f"model: wrote the tiny Qwen2 model to {tiny}")
         return tiny, None
     from ops.warm_start import WarmStartOptions, describe, load_report, warm_start
+    from ops.warm_start_tools import (
+        TOOLS_WARM_START,
+        describe_tools,
+        load_tools_report,
+        warm_start_tools,
+    )
 
-    warmed = out / "sums-model"
-    warm_options = WarmStartOptions(steps=options.warm_start_steps, seed=options.seed)
-    report = load_report(warmed, warm_options)
+    warmed = out / f"{options.task}-model"
+    warm_options = dataclasses.replace(
+        TOOLS_WARM_START if options.task == "tools" else WarmStartOptions(),
+        steps=options.warm_start_steps, seed=options.seed)
+    load, train, show = ((load_report, warm_start, describe) if options.task == "sums" else
+                         (load_tools_report, warm_start_tools, describe_tools))
+    report = load(warmed, warm_options)
     if report is None:
         write_tiny_model(tiny, seed=0)
-        say(f"model: wrote the tiny Qwen2 model; warm-starting it on the answer format "
-            f"with random answers ({options.warm_start_steps} steps)...")
-        report = warm_start(tiny, warmed, warm_options)
-    say(describe(report))
+        say(f"model: wrote the tiny Qwen2 model; warm-starting it on the {options.task} "
+            f"format with random answers ({options.warm_start_steps} steps)...")
+        report = train(tiny, warmed, warm_options)
+    say(show(report))  # type: ignore[arg-type]  # each loader goes with its describer
     return warmed, asdict(report)
 
 
 def start_roles(processes: Processes, options: DemoOptions, inference: str,
                 env: dict[str, str]) -> None:
-    """Start the scorer, a worker pool and the feeder for ``options.run``."""
+    """Start the scorer, a worker pool and the feeder for ``options.run`` (for ``tools``,
+    and first, the ``rollq gateway`` the workers' agents call the model through)."""
+    env_options: list[str] = []
     if options.task == "sums":
         reward, task_env = SUMS_REWARD, "sums"
+    elif options.task == "tools":
+        reward, task_env = TOOLS_REWARD, "tools"
+        gateway = f"http://127.0.0.1:{(port := free_port())}"
+        processes.start("gateway", gateway_argv(inference, port), env)
+        wait_healthy(gateway, processes.check)
+        env_options = ["--env-option", f"gateway={gateway}",
+                       "--env-option", f"max_tokens={options.max_tokens}"]
     else:
         reward, task_env = processes.logs.parent / "reward.yaml", "gsm8k"
         reward.write_text(DEMO_REWARD)
@@ -309,7 +354,8 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
     processes.start("scorer", [python, "-m", "ops.cli", "score", "--reward-config",
                                str(reward), "--processes", "1"], env)
     processes.start("workers", [
-        python, "-m", "ops.cli", "workers", "--env", task_env, "--inference", inference,
+        python, "-m", "ops.cli", "workers", "--env", task_env, *env_options,
+        "--inference", inference,
         "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
         "--concurrency", str(options.batch_groups)], env)
     processes.start("feeder", [
@@ -393,9 +439,10 @@ def _write_summary(result: DemoResult, options: DemoOptions) -> None:
         "plot": str(result.plot) if result.plot else None,
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()},
     }
-    if options.task == "sums":
+    if options.task in LEARNING_TASKS:
         curves = learning_curves(result.steps, result.evals)
-        summary = {"task": "sums", **{k: v for k, v in curves.items() if not isinstance(v, dict)},
+        summary = {"task": options.task,
+                   **{k: v for k, v in curves.items() if not isinstance(v, dict)},
                    **summary, "warm_start": result.warm_start,
                    "curves": {"steps": curves.get("steps"), "evals": curves.get("evals")}}
     (result.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -60,14 +60,14 @@ def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], N
     from producers.envs.sums import sums_env
 
     config = RewardConfig.from_yaml(SUMS_REWARD)
-    with Evaluator(inference, _served_model(inference), config,
+    with Evaluator(inference, served_model(inference), config,
                    max_tokens=max_tokens) as evaluator:
         problems = {split: evaluator.problems(sums_env(split=split))
                     for split in ("train", "heldout")}
         yield SumsEvaluation(evaluator, problems, every, out / "evals.jsonl", say)
 
 
-def _served_model(url: str) -> str:
+def served_model(url: str) -> str:
     response = httpx.get(f"{url}/v1/models", timeout=30)
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
@@ -133,10 +133,13 @@ def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path
 
     curves = learning_curves(steps, evals)
     figure, axis = plt.subplots(figsize=(8, 4.5))
-    axis.plot(curves["steps"]["step"], curves["steps"]["format"], color="tab:gray",
-              linewidth=1, label="format reward (batch)")
+    if any(value is not None for value in curves["steps"]["format"]):  # tools has none
+        axis.plot(curves["steps"]["step"], curves["steps"]["format"], color="tab:gray",
+                  linewidth=1, label="format reward (batch)")
     axis.plot(curves["steps"]["step"], curves["steps"]["batch_accuracy"], color="tab:blue",
               alpha=0.35, linewidth=1, label="accuracy, sampled (batch)")
+    axis.plot(curves["evals"]["step"], curves["evals"]["train_format"], color="tab:gray",
+              linestyle="--", marker=".", label="format, 80 training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["train_accuracy"], color="tab:blue",
               marker="o", label="accuracy, 80 training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["heldout_accuracy"], color="tab:orange",

@@ -20,7 +20,7 @@ import math
 import random
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,30 +73,43 @@ class WarmStartReport:
     chance: float = CHANCE
 
 
-class _Encoder:
-    """Token ids of prompts and completions with the model's own tokenizer."""
+Example = tuple[list[int], list[int], list[int]]
+"""(prompt ids, completion ids, a weight per completion token): 1 on format tokens (trained,
+and counted in the format loss), 0 on answer tokens (trained), -1 on context inside the
+completion (an env's or tool's tokens between two model turns: not trained)."""
 
-    def __init__(self, model_dir: Path) -> None:
+
+class Encoder:
+    """Token ids of prompts and completions with the model's own tokenizer (and its chat
+    template, or ``chat_template`` when given)."""
+
+    def __init__(self, model_dir: Path, chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)  # its stubs return unions
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.end = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self.pad = int(self.tokenizer.pad_token_id or 0)
 
     def prompt(self, question: str) -> list[int]:
+        return self.chat([{"role": "user", "content": question}])
+
+    def chat(self, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The generation prompt of ``messages``, as the server's chat template renders it."""
         ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True,
-            return_dict=False)
+            messages, tools=tools, chat_template=self.chat_template, add_generation_prompt=True,
+            tokenize=True, return_dict=False)
         return [int(i) for i in ids]
 
     def text(self, text: str) -> list[int]:
         return [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
-def _batch(rows: Sequence[tuple[list[int], list[int], list[int]]], pad: int) -> dict[str, Any]:
-    """Right-padded input ids, attention mask, ``completion`` (1 on every completion token)
-    and ``weights`` (the row's own per-completion-token weights)."""
+def pad_batch(rows: Sequence[Example], pad: int) -> dict[str, Any]:
+    """Right-padded input ids, attention mask, ``completion`` (1 on every trained completion
+    token: weight 0 or 1) and ``weights`` (1 on format tokens)."""
     import torch
 
     width = max(len(p) + len(c) for p, c, _ in rows)
@@ -108,13 +121,14 @@ def _batch(rows: Sequence[tuple[list[int], list[int], list[int]]], pad: int) -> 
         tokens = prompt + completion
         ids[row, :len(tokens)] = torch.tensor(tokens)
         attention[row, :len(tokens)] = 1
-        weights[row, len(prompt):len(tokens)] = torch.tensor(weight, dtype=torch.float)
-        completion_mask[row, len(prompt):len(tokens)] = 1
+        weight_row = torch.tensor(weight, dtype=torch.float)
+        weights[row, len(prompt):len(tokens)] = weight_row.clamp(min=0)
+        completion_mask[row, len(prompt):len(tokens)] = (weight_row >= 0).float()
     return {"input_ids": ids, "attention_mask": attention, "weights": weights,
             "completion": completion_mask}
 
 
-def _token_losses(model: Any, batch: dict[str, Any]) -> Any:
+def token_losses(model: Any, batch: dict[str, Any]) -> Any:
     """Cross-entropy of every token given the ones before it, shape [B, T-1]."""
     import torch
 
@@ -123,8 +137,7 @@ def _token_losses(model: Any, batch: dict[str, Any]) -> Any:
         logits[:, :-1].transpose(1, 2).float(), batch["input_ids"][:, 1:], reduction="none")
 
 
-def _example(encoder: _Encoder, record: dict[str, Any], answer: int,
-             ) -> tuple[list[int], list[int], list[int]]:
+def _example(encoder: Encoder, record: dict[str, Any], answer: int) -> Example:
     """(prompt, completion, format mask): the mask is 1 on format tokens, 0 on the answer."""
     a, b = int(record["a"]), int(record["b"])
     before = encoder.text(format_completion(a, b, answer).split("{")[0] + "{")
@@ -135,45 +148,47 @@ def _example(encoder: _Encoder, record: dict[str, Any], answer: int,
     return encoder.prompt(str(record["problem"])), completion, mask
 
 
-def answer_probability(model: Any, encoder: _Encoder, records: Sequence[dict[str, Any]]) -> float:
+def answer_probability(model: Any, encoder: Encoder, records: Sequence[dict[str, Any]]) -> float:
     """Mean probability of the correct sum (digits and the closing brace) after the format
     prefix, teacher-forced; 1/19 for a model that guesses uniformly."""
-    import torch
-
     rows = []
     for record in records:
         prompt, completion, mask = _example(encoder, record, int(record["a"]) + int(record["b"]))
         answer_and_brace = [1 - m for m in mask]
         answer_and_brace[mask.index(1, mask.index(0))] = 1  # the "}" right after the digits
         rows.append((prompt, completion, answer_and_brace))
-    batch = _batch(rows, encoder.pad)
+    return weighted_probability(model, rows, encoder.pad)
+
+
+def weighted_probability(model: Any, rows: Sequence[Example], pad: int) -> float:
+    """Mean over ``rows`` of the probability of the completion tokens weighted 1 (given
+    everything before them), teacher-forced."""
+    import torch
+
+    batch = pad_batch(rows, pad)
     with torch.no_grad():
-        losses = _token_losses(model, batch)
+        losses = token_losses(model, batch)
     log_p = -(losses * batch["weights"][:, 1:]).sum(dim=1)
     return float(log_p.exp().mean())
 
 
-def warm_start(model_dir: Path, out: Path, options: WarmStartOptions | None = None, *,
-               source: str | Path | None = None) -> WarmStartReport:
-    """Fine-tune the model in ``model_dir`` on the format with random answers; write the
-    result (HF layout, tokenizer included) and ``warm_start.json`` into ``out``."""
+def fit(model_dir: Path, options: WarmStartOptions,
+        draw: Callable[[random.Random], Example]) -> tuple[Any, float]:
+    """``options.steps`` AdamW steps on batches of ``draw``n examples, seeded: the model
+    (in eval mode) and the mean format loss of the last 20 steps (nats/token over the
+    tokens each example weights 1)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    options = options or WarmStartOptions()
-    started = time.monotonic()
     rng = random.Random(options.seed)
     torch.manual_seed(options.seed)
-    encoder = _Encoder(model_dir)
-    train = sums_records("train", source)
+    pad = Encoder(model_dir).pad
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr)
     recent: list[float] = []
     for _ in range(options.steps):
-        rows = [_example(encoder, rng.choice(train), rng.choice(ANSWERS))
-                for _ in range(options.batch)]
-        batch = _batch(rows, encoder.pad)
-        losses = _token_losses(model, batch)
+        batch = pad_batch([draw(rng) for _ in range(options.batch)], pad)
+        losses = token_losses(model, batch)
         # The loss covers the whole completion, the random answer included: that is what
         # makes the answer distribution uniform. The format part is reported separately.
         completion, weights = batch["completion"][:, 1:], batch["weights"][:, 1:]
@@ -183,19 +198,42 @@ def warm_start(model_dir: Path, out: Path, options: WarmStartOptions | None = No
         optimizer.step()
         format_loss = float((losses.detach() * weights).sum() / weights.sum())
         recent = [*recent, format_loss][-20:]
-    model.eval()
-    report = WarmStartReport(
-        options=asdict(options), seconds=round(time.monotonic() - started, 1),
-        format_loss=sum(recent) / max(1, len(recent)),
-        train_answer_probability=answer_probability(model, encoder, train),
-        heldout_answer_probability=answer_probability(model, encoder,
-                                                      sums_records("heldout", source)))
+    return model.eval(), sum(recent) / max(1, len(recent))
+
+
+def save(model: Any, model_dir: Path, out: Path, report: Any, *,
+         chat_template: str | None = None) -> None:
+    """Write ``model`` (HF layout), ``model_dir``'s tokenizer (with ``chat_template`` as
+    its template, when given) and ``report`` as ``warm_start.json`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (model_dir / name).exists():
             shutil.copy2(model_dir / name, out / name)
+    if chat_template is not None:
+        config = json.loads((out / "tokenizer_config.json").read_text())
+        config["chat_template"] = chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "warm_start.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+
+
+def warm_start(model_dir: Path, out: Path, options: WarmStartOptions | None = None, *,
+               source: str | Path | None = None) -> WarmStartReport:
+    """Fine-tune the model in ``model_dir`` on the format with random answers; write the
+    result (HF layout, tokenizer included) and ``warm_start.json`` into ``out``."""
+    options = options or WarmStartOptions()
+    started = time.monotonic()
+    encoder = Encoder(model_dir)
+    train = sums_records("train", source)
+    model, format_loss = fit(model_dir, options, lambda rng: _example(
+        encoder, rng.choice(train), rng.choice(ANSWERS)))
+    report = WarmStartReport(
+        options=asdict(options), seconds=round(time.monotonic() - started, 1),
+        format_loss=format_loss,
+        train_answer_probability=answer_probability(model, encoder, train),
+        heldout_answer_probability=answer_probability(model, encoder,
+                                                      sums_records("heldout", source)))
+    save(model, model_dir, out, report)
     return report
 
 

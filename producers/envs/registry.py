@@ -8,6 +8,9 @@ Built-in names:
 - ``guess``: the number-guessing game (``producers.envs.guess``) as an ``EpisodeEnv``.
 - ``sums``: single-digit sums (``producers.envs.sums``); ``split`` is ``train`` (default),
   ``heldout`` or ``all``; ``source`` defaults to the shipped ``sums.jsonl``.
+- ``tools``: the sums questions answered by an ``openai`` agent with a ``calc`` tool
+  (``producers.envs.tools``); ``gateway`` (a ``rollq gateway`` URL; default: in-process),
+  ``split``, ``source``, ``max_tokens`` (per call). Needs the ``openai`` package.
 - ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``areal:MODULE:ATTRIBUTE``: other ecosystems' envs
   (``producers.envs.kinds``).
 
@@ -78,11 +81,21 @@ def _sums(**options: Any) -> Env:
     return sums_env(style=style, **options)
 
 
+def _tools(**options: Any) -> Env:
+    try:
+        from producers.envs.tools import tools_env
+    except ImportError as exc:  # the agent is written with the openai package
+        raise ConfigError(f"env 'tools' needs the openai package (pip install openai): "
+                          f"{exc}") from exc
+    return tools_env(**options)
+
+
 BUILTIN: dict[str, Callable[..., Env]] = {
     "gsm8k": _dataset(gsm8k_env, None),
     "math": _dataset(math_env, None),
     "guess": _guess,
     "sums": _sums,
+    "tools": _tools,
 }
 
 

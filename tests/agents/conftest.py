@@ -9,24 +9,20 @@ once and shared by every module of ``tests/agents``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ops.stack import VllmProcess
+from tests.integration.interpreters import vllm_python
 
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 
 
 @pytest.fixture(scope="session")
 def tool_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
-    python = os.environ.get("ROLLQ_TEST_VLLM_PYTHON", "")
-    if not python:
-        if os.environ.get("ROLLQ_REQUIRE_VLLM") == "1":
-            pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
-        pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
+    python = vllm_python()
     from ops.tiny_model import write_tiny_model
 
     directory = tmp_path_factory.mktemp("tool-vllm")

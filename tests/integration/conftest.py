@@ -7,13 +7,13 @@ tier is skipped, unless ``ROLLQ_REQUIRE_VLLM=1`` (CI), where a missing vLLM fail
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ops.stack import VllmProcess
+from tests.integration.interpreters import vllm_python
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +27,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def vllm_server(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[VllmProcess]:
-    python = os.environ.get("ROLLQ_TEST_VLLM_PYTHON", "")
-    if not python:
-        if os.environ.get("ROLLQ_REQUIRE_VLLM") == "1":
-            pytest.fail("ROLLQ_REQUIRE_VLLM=1 but ROLLQ_TEST_VLLM_PYTHON is not set")
-        pytest.skip("no vLLM: set ROLLQ_TEST_VLLM_PYTHON (bash .ci/test does)")
+    python = vllm_python()
     cache = Path(python).resolve().parent.parent / "inductor-cache"
     # rollq_tcp: the weight-transfer tests sync into it; reload works beside it
     server = VllmProcess(python, tiny_model, tmp_path_factory.mktemp("vllm") / "server.log",

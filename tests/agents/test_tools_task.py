@@ -1,0 +1,106 @@
+"""The ``tools`` task (``producers.envs.tools``): the calc tool, the agent's verdict, the
+env on the in-process gateway (fake vLLM), and its warm start's two turns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from producers.envs.registry import make_env
+from producers.envs.sums import sums_records
+from producers.envs.tools import TOOLS_CHAT_TEMPLATE, calculate, final_answer, tools_env
+from producers.inference import SamplingParams
+from tests.agents.fake_agent_vllm import AgentFakeVLLM
+from tests.agents.helpers import pool_of
+
+SAMPLING = SamplingParams(max_tokens=128)
+RECORD = sums_records("train")[0]  # What is 0 + 0?
+
+
+def call_text(expression: str, name: str = "calc") -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": {
+        "expression": expression}}) + "\n</tool_call>"
+
+
+async def zero() -> int:
+    return 0
+
+
+def test_calc_evaluates_integer_arithmetic_and_refuses_anything_else() -> None:
+    assert calculate("3 + 4") == "7"
+    assert calculate(" 2*3-10 ") == "-4"
+    for bad in ("3 +", "__import__('os')", "2 ** 3", "1.5 + 1", "7 / 2", "", "x + 1"):
+        assert calculate(bad) == "error"
+
+
+def test_the_final_answer_is_a_bare_integer() -> None:
+    assert final_answer(" 12\n") == 12
+    assert final_answer("-3") == -3
+    for other in ("The answer is 12", "12.0", "", None, "1 2"):
+        assert final_answer(other) is None
+
+
+async def episodes(replies: list[str], group_size: int = 1) -> Any:
+    """One group of the ``tools`` env on the in-process gateway, the fake model replying
+    ``replies`` in order."""
+    fake = AgentFakeVLLM()
+    fake.script = lambda prompt, number: replies[number % len(replies)]
+    env = tools_env()
+    async with pool_of(fake) as pool:
+        return await env.rollout(env.item(0), pool, group_size=group_size, sampling=SAMPLING,
+                                 policy_version=zero)
+
+
+@pytest.mark.parametrize(("replies", "reward", "calls"), [
+    ([call_text(f"{RECORD['a']} + {RECORD['b']}"), "0"], 1.0, 2),  # called, then right
+    ([call_text("0 + 0"), "5"], 0.0, 2),  # wrong answer
+    (["0"], 0.0, 1),  # answered without the tool
+    # another tool: no calc call (this parser drops calls to tools the request did not offer)
+    ([call_text("0 + 0", name="search"), "0"], 0.0, 1),
+    ([call_text("0 +"), "0"], 0.0, 2),  # an expression the tool refuses
+    ([call_text("0 + 0"), call_text("0 + 0")], 0.0, 2),  # a second call instead of an answer
+])
+async def test_the_reward_is_a_calc_call_then_the_right_number(
+        replies: list[str], reward: float, calls: int) -> None:
+    rollout = await episodes(replies)
+    (completion,) = rollout.completions
+    assert completion.info["env_score"] == reward
+    assert completion.info["capture"]["calls"] == calls
+    if calls == 2:  # one sequence: the call, the tool's turn masked, the answer
+        assert completion.info["sequences"] == 1
+        assert 0 in completion.loss_mask.tolist()
+
+
+def test_the_env_is_built_by_name_with_its_options() -> None:
+    env = make_env("tools", gateway="http://127.0.0.1:1", max_tokens=64, split="heldout")
+    assert env.name == "tools" and len(env) == 20
+    assert make_env("tools").item(3).fields["problem"] == sums_records("train")[3]["problem"]
+
+
+def test_warm_start_turns_cut_the_templates_own_renders(tiny_model_dir: Path) -> None:
+    from ops.warm_start import Encoder
+    from ops.warm_start_tools import ToolTurns, call_text
+
+    turns = ToolTurns(Encoder(tiny_model_dir, TOOLS_CHAT_TEMPLATE))
+    first, call, second = turns.turns(RECORD)
+    decode = turns.encoder.tokenizer.decode
+    assert decode(call) == call_text(0, 0) + "<|im_end|>"
+    assert decode(second[len(first) + len(call):]) == (
+        "\n<|im_start|>tool\n0<|im_end|>\n<|im_start|>assistant\n")
+    prompt, completion, weights = turns.episode(RECORD, 13)
+    assert prompt == first and completion[:len(call)] == call
+    assert decode(completion[len(second) - len(first):]) == "13<|im_end|>"
+    between = len(second) - len(first) - len(call)
+    digits = len(completion) - len(call) - between - 1
+    assert weights == [1] * len(call) + [-1] * between + [0] * digits + [1]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    from ops.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "rollq-tiny", seed=0)
