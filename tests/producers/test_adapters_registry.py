@@ -97,7 +97,7 @@ def test_registry_builds_the_builtins() -> None:
 
 
 def test_registry_errors_name_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"\['gsm8k', 'guess', 'math', 'sums'\]"):
+    with pytest.raises(ConfigError, match=r"\['gsm8k', 'guess', 'math', 'sums', 'tools'\]"):
         make_env("nope")
     with pytest.raises(ConfigError, match="source"):
         make_env("math")
