@@ -60,11 +60,7 @@ def parse_chat(body: Any) -> list[Choice]:
     samples = []
     for choice in _choices(body):
         token_ids = _token_ids(choice)
-        logprobs_block = choice.get("logprobs")
-        content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
-        if not isinstance(content, list):
-            raise InferenceResponseError("chat choice has no logprobs.content (logprobs=true)")
-        logprobs = _floats([entry.get("logprob") for entry in content], len(token_ids))
+        logprobs = _content_logprobs(choice, len(token_ids), "chat choice", "logprobs=true")
         message = choice.get("message") or {}
         reasoning = message.get("reasoning") or message.get("reasoning_content")
         samples.append(Choice(
@@ -84,11 +80,7 @@ def parse_generate(body: Any, prompt_ids: list[int]) -> list[Choice]:
     samples = []
     for choice in _choices(body):
         token_ids = _token_ids(choice)
-        logprobs_block = choice.get("logprobs")
-        content = logprobs_block.get("content") if isinstance(logprobs_block, dict) else None
-        if not isinstance(content, list):
-            raise InferenceResponseError("generate choice has no logprobs.content (logprobs=0)")
-        logprobs = _floats([entry.get("logprob") for entry in content], len(token_ids))
+        logprobs = _content_logprobs(choice, len(token_ids), "generate choice", "logprobs=0")
         samples.append(Choice(
             prompt_ids=prompt_ids,
             completion_ids=token_ids,
@@ -132,6 +124,17 @@ def _token_ids(choice: dict[str, Any]) -> list[int]:
         raise InferenceResponseError(
             "response has no token_ids: the server must support return_token_ids (vLLM >= 0.10.2)")
     return _ints(choice["token_ids"], "token_ids")
+
+
+def _content_logprobs(choice: dict[str, Any], expected: int, what: str,
+                      asked: str) -> list[float]:
+    """The sampled tokens' logprobs of a choice's ``logprobs.content`` (chat and generate
+    share the shape); ``asked`` names the request field that makes the server send them."""
+    block = choice.get("logprobs")
+    content = block.get("content") if isinstance(block, dict) else None
+    if not isinstance(content, list):
+        raise InferenceResponseError(f"{what} has no logprobs.content ({asked})")
+    return _floats([entry.get("logprob") for entry in content], expected)
 
 
 def _ints(values: Any, name: str) -> list[int]:
