@@ -81,7 +81,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         if kind == "rollq":
-            command = [sys.executable, "-m", "ops.cli", "atropos-api", "--redis-url",
+            command = [sys.executable, "-m", "rollq", "atropos-api", "--redis-url",
                        redis_url, "--run", run, "--port", str(self.port), "--log-level",
                        "warning", "--log-format", "json"]
         else:

@@ -57,15 +57,15 @@ from bench.trainer import (
     run_rollq,
     scorer_reader,
 )
-from consumers.scorer.bridge import RewardBridge
-from consumers.scorer.config import RewardConfig
-from consumers.scorer.consumer import Scorer, config_fingerprint
-from consumers.stage import Stage
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from ops.logging import configure_logging
-from ops.settings import WorkerSettings
-from producers.publisher import Publisher
-from schemas import Completion, Fields, TrajectoryGroup, encode
+from rollq.consumers.scorer.bridge import RewardBridge
+from rollq.consumers.scorer.config import RewardConfig
+from rollq.consumers.scorer.consumer import Scorer, config_fingerprint
+from rollq.consumers.stage import Stage
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.ops.logging import configure_logging
+from rollq.ops.settings import WorkerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import Completion, Fields, TrajectoryGroup, encode
 
 REWARD = {
     "components": [

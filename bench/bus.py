@@ -86,9 +86,9 @@ from bench.common import (
     report_role,
     run_role_processes,
 )
-from consumers.bus import Delivery
-from producers.publisher import Publisher
-from schemas import (
+from rollq.consumers.bus import Delivery
+from rollq.producers.publisher import Publisher
+from rollq.schemas import (
     Fields,
     TrajectoryGroup,
     decode_scored,

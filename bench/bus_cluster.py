@@ -4,7 +4,7 @@ The same workload as ``bench.bus``'s rollq variant (publish -> score stage -> tr
 default 16 x 2048-token groups), with ``--partitions`` partitions (default 6) on:
 
 node     one redis-server (persistence off): the baseline, same partitions;
-cluster  a local Redis Cluster of 3 masters + 3 replicas (``ops.local_cluster``, persistence
+cluster  a local Redis Cluster of 3 masters + 3 replicas (``ops.local.cluster``, persistence
          off) through ``ops.cluster.ClusterClient``: per-partition reads, one MULTI per
          partition, asynchronous replication;
 wait1    the cluster with ``wait_replicas=1``: every write waits for a replica (``WAIT``),
@@ -34,12 +34,12 @@ import redis.asyncio as aioredis
 
 from bench.bus_workload import RUN, Result, _score_until, _stage, make_groups, run_rollq
 from bench.common import BenchRedis, median_of, print_table
-from ops.cluster import ClusterClient
-from ops.connections import open_url
-from ops.local_cluster import LocalCluster
-from producers.publisher import Publisher
-from schemas import TrajectoryGroup, encode
-from schemas.keys import stream_keys
+from rollq.ops.cluster import ClusterClient
+from rollq.ops.connections import open_url
+from rollq.ops.local.cluster import LocalCluster
+from rollq.producers.publisher import Publisher
+from rollq.schemas import TrajectoryGroup, encode
+from rollq.schemas.keys import stream_keys
 
 
 def _open(url: str, wait_replicas: int = 0) -> aioredis.Redis:

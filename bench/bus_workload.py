@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from consumers.bus import Delivery, ReaderSettings, StreamReader
-from consumers.scorer.advantages import broadcast_advantages
-from consumers.stage import Forward, Stage
-from producers.publisher import Publisher
-from schemas import (
+from rollq.consumers.bus import Delivery, ReaderSettings, StreamReader
+from rollq.consumers.scorer.advantages import broadcast_advantages
+from rollq.consumers.stage import Forward, Stage
+from rollq.producers.publisher import Publisher
+from rollq.schemas import (
     Completion,
     Fields,
     ScoredGroup,
@@ -28,7 +28,7 @@ from schemas import (
     decode_trajectory,
     encode,
 )
-from schemas.keys import stream_key, stream_keys
+from rollq.schemas.keys import stream_key, stream_keys
 
 RUN = "bench"
 TRAJ = stream_key(RUN, 0, "traj")

@@ -50,7 +50,7 @@ from bench.pipeline import (
     settled,
 )
 from bench.workers import FakeServerProcess
-from ops.stack import RedisProcess
+from rollq.ops.local.stack import RedisProcess
 
 
 async def run_chaos(args: argparse.Namespace, directory: Path) -> Outcome:

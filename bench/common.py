@@ -21,15 +21,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ops.stack import RedisProcess, free_port
-from schemas.heap import freeze_heap
+from rollq.ops.local.stack import RedisProcess, free_port
+from rollq.schemas.heap import freeze_heap
 
 __all__ = ["BenchRedis", "fmt", "free_port", "median_of", "payload_bytes", "print_table",
            "redis_cpu", "report_ready", "report_role", "run_role_processes"]
 
 
 class BenchRedis(RedisProcess):
-    """The embedded redis-server (``ops.stack``) in a temporary directory, persistence off;
+    """The embedded redis-server (``ops.local.stack``) in a temporary directory, persistence off;
     use as a context manager."""
 
     def __init__(self, binary: str | None = None) -> None:

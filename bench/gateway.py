@@ -53,13 +53,13 @@ import openai
 import redis.asyncio as aioredis
 
 from bench.common import median_of
-from ops.logging import configure_logging
-from producers.envs.areal import areal_workflow_env
-from producers.inference import SamplingParams
-from producers.inference.capture.render import LocalTemplate
-from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout
-from schemas.keys import stream_key
+from rollq.ops.logging import configure_logging
+from rollq.producers.envs.areal import areal_workflow_env
+from rollq.producers.inference import SamplingParams
+from rollq.producers.inference.capture.render import LocalTemplate
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout
+from rollq.schemas.keys import stream_key
 
 TARGET_RATIO = 0.9
 RUN = "bench"
@@ -239,7 +239,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def start_gateway(vllm_url: str, port: int, log: Path, *, render: list[str],
                   profile: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
-    launch = (["-m", "cProfile", "-o", profile, "-m", "ops.cli"] if profile else
+    launch = (["-m", "cProfile", "-o", profile, "-m", "rollq"] if profile else
               ["-c", "from ops.cli import main; raise SystemExit(main())"])
     command = [sys.executable, *launch,
                "gateway", "--host", "127.0.0.1", "--port", str(port), "--inference", vllm_url,
@@ -333,8 +333,8 @@ async def time_tokenize(vllm_url: str) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, list[Run]]:
-    from ops.stack import RedisProcess, VllmProcess, free_port
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.stack import RedisProcess, VllmProcess, free_port
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rollq-bench-gateway-") as tmp:
         directory = Path(tmp)

@@ -1,7 +1,7 @@
 """GPU check of ``examples/torchrun_trainer.py``: its CUDA paths (NCCL process group, bf16
 autocast under DDP, FSDP2 with bf16 mixed precision) on real GPUs, without vLLM.
 
-A random Qwen2-shaped ~105M model (``ops.tiny_model`` shape ``100m``), scored groups of 8
+A random Qwen2-shaped ~105M model (``ops.local.tiny_model`` shape ``100m``), scored groups of 8
 completions x 512 tokens on a redis-server this script starts, and the trainer under
 ``torchrun --nproc-per-node N`` (N: the GPUs here) for a few steps, DDP then FSDP, from the
 same groups. Prints each variant's losses and step seconds; fails if a loss is not finite
@@ -26,8 +26,8 @@ import torch
 
 from bench.gpu_trainer import Shape, fill, make_payloads
 from bench.rollouts import RUN
-from ops.stack import RedisProcess
-from ops.tiny_model import write_tiny_model
+from rollq.ops.local.stack import RedisProcess
+from rollq.ops.local.tiny_model import write_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

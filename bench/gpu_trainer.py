@@ -58,13 +58,18 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from bench.common import BenchRedis, print_table
 from bench.rollouts import RUN, grpo_scored, make_groups
-from consumers.trainer import PaddedArrays, SyncTrainerClient, TrainerClientSettings, pad_groups
 from examples.grpo_trainer import grpo_loss, token_logprobs
-from ops.logging import configure_logging
-from schemas import Fields, encode
-from schemas.decoding import decode_scored_columns
-from schemas.heap import freeze_heap
-from schemas.keys import stream_key
+from rollq.consumers.trainer import (
+    PaddedArrays,
+    SyncTrainerClient,
+    TrainerClientSettings,
+    pad_groups,
+)
+from rollq.ops.logging import configure_logging
+from rollq.schemas import Fields, encode
+from rollq.schemas.decoding import decode_scored_columns
+from rollq.schemas.heap import freeze_heap
+from rollq.schemas.keys import stream_key
 
 SCORED = stream_key(RUN, 0, "scored")
 

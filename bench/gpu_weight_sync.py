@@ -34,8 +34,8 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.gpu_trainer import build_model
-from consumers.trainer.transfer import TcpTrainerEngine, TcpTrainerInitInfo
-from ops.vllm_plugin.rollq_vllm_plugin import receive_tensors
+from rollq.consumers.trainer.transfer import TcpTrainerEngine, TcpTrainerInitInfo
+from rollq.ops.vllm_plugin.rollq_vllm_plugin import receive_tensors
 
 
 def _params(model: Any) -> dict[str, torch.Tensor]:

@@ -2,9 +2,9 @@
 
 Both learn the same task from the same start, in the same session, against one CPU vLLM
 server (started here) with the tiny Qwen2 warm-started on the answer format with random
-answers (``ops.warm_start``; accuracy at chance):
+answers (``ops.local.warm_start``; accuracy at chance):
 
-- **rollq**: ``rollq demo --task sums`` (``ops.demo.run_demo``) on a Redis started here: the
+- **rollq**: ``rollq demo --task sums`` (``ops.local.demo.run_demo``) on a Redis started here: the
   feeder, an arq worker pool, a scorer (the reward bridge, math-verify in its process pool)
   and ``examples/grpo_trainer.py`` as separate processes. Run once per seed.
 - **bare**: one Python process, no Redis: the same env's rollouts through the same inference
@@ -14,7 +14,7 @@ answers (``ops.warm_start``; accuracy at chance):
 - **control**: rollq with the advantages' sign flipped: accuracy must not rise.
 
 Every run evaluates the served policy greedily on the 80 training and 20 held-out problems
-every ``--eval-every`` steps (``ops.evaluate``). Steps/s is trainer steps over the time from
+every ``--eval-every`` steps (``ops.local.evaluate``). Steps/s is trainer steps over the time from
 the start of the first step to the end of the last (evaluations included, in both). The
 table gives each run's accuracy at fixed steps, its steps/s, the medians over the rollq
 seeds, and the rollq/bare steps/s ratio (goal >= 0.8). Results: ``--out``/results.json.
@@ -38,10 +38,10 @@ from types import ModuleType
 from typing import Any
 
 from bench.common import BenchRedis, median_of, print_table
-from ops.demo import EXAMPLE_TRAINER, DemoOptions, run_demo
-from ops.demo_sums import SUMS_REWARD, learning_curves
-from ops.stack import VllmProcess
-from producers.envs.sums import CHANCE
+from rollq.ops.local.demo import EXAMPLE_TRAINER, DemoOptions, run_demo
+from rollq.ops.local.demo_sums import SUMS_REWARD, learning_curves
+from rollq.ops.local.stack import VllmProcess
+from rollq.producers.envs.sums import CHANCE
 
 MARKS = (0, 100, 200, 300, 400, 500, 600, 650)
 """Steps at which the table shows accuracy (the nearest evaluation at or before)."""
@@ -61,14 +61,14 @@ class BenchOptions:
 
 def prepare_model(work: Path, say: Any = print) -> Path:
     """The tiny model warm-started on the format (cached in ``work``)."""
-    from ops.tiny_model import write_tiny_model
-    from ops.warm_start import describe, load_report, warm_start
+    from rollq.ops.local.tiny_model import write_tiny_model
+    from rollq.ops.local.warm_start import load_report, report_line, warm_start
 
     warmed = work / "sums-model"
     report = load_report(warmed)
     if report is None:
         report = warm_start(write_tiny_model(work / "tiny-model", seed=0), warmed)
-    say(describe(report))
+    say(report_line(report))
     return warmed
 
 
@@ -101,11 +101,11 @@ async def _bare_loop(model_dir: Path, url: str, weights: Path, options: DemoOpti
     import torch
     from transformers import AutoModelForCausalLM
 
-    from consumers.scorer import RewardBridge, RewardConfig
-    from consumers.trainer.weights import PolicyPublisher
-    from ops.evaluate import Evaluator
-    from producers.envs.sums import sums_env
-    from producers.inference import InferencePool, SamplingParams
+    from rollq.consumers.scorer import RewardBridge, RewardConfig
+    from rollq.consumers.trainer.weights import PolicyPublisher
+    from rollq.ops.local.evaluate import Evaluator
+    from rollq.producers.envs.sums import sums_env
+    from rollq.producers.inference import InferencePool, SamplingParams
 
     trainer = _trainer_module()
     torch.manual_seed(options.seed)
@@ -222,7 +222,7 @@ def _pad(rollouts: Any, scores: Any, flip: bool) -> dict[str, Any]:
 async def serve_weights(url: str, model: Path) -> None:
     """Load ``model`` on the server before a run: rollouts the workers start before the
     trainer's first publish must not come from the previous run's weights."""
-    from consumers.trainer.weights import PolicyPublisher
+    from rollq.consumers.trainer.weights import PolicyPublisher
 
     async with PolicyPublisher([url]) as publisher:
         await publisher.publish(0, str(model))
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of bare, rollq, control")
     parser.add_argument("--report", type=Path, help="print the table of a results.json")
     args = parser.parse_args(argv)
-    from ops.logging import configure_logging
+    from rollq.ops.logging import configure_logging
 
     configure_logging("console", "warning")  # not a line per request of the bare loop
     if args.report:

@@ -26,8 +26,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from schemas import decode_dead
-from schemas.keys import ADMITTED_FIELD, DROP_PREFIX, counters_key, state_key, stream_key
+from rollq.schemas import decode_dead
+from rollq.schemas.keys import ADMITTED_FIELD, DROP_PREFIX, counters_key, state_key, stream_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN = "chaos"
@@ -63,7 +63,7 @@ class PipelineOptions:
 def trainer_main(args: argparse.Namespace) -> int:
     """A trainer whose model is how often it trained each dataset position (one byte a
     group, so its memory stays flat in a long soak); see the module doc."""
-    from consumers.trainer import SyncTrainerClient, TrainerClientSettings
+    from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings
 
     checkpoint = Path(args.checkpoint)
     settings = TrainerClientSettings(batch_groups=args.batch_groups, max_staleness=None,
@@ -102,7 +102,7 @@ def data_parallel_trainer_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from consumers.trainer import (
+    from rollq.consumers.trainer import (
         DataParallelSteps,
         SyncTrainerClient,
         TrainerClientSettings,
@@ -288,7 +288,7 @@ def build_roles(redis_url: str, inference: str, directory: Path,
            "ROLLQ_CONSUMER_IDLE_S": str(max(10.0, options.retention_s))}
     reward = directory / "reward.yaml"
     reward.write_text(REWARD)
-    rollq = [sys.executable, "-m", "ops.cli"]
+    rollq = [sys.executable, "-m", "rollq"]
     feeder = [*rollq, "feed", "--env", "gsm8k", "--epochs", str(epochs),
               "--batch-groups", str(options.batch_groups), "--max-staleness", "4"]
     feeder_env = {**env, "ROLLQ_POLL_S": "0.05"}

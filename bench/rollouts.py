@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup
+from rollq.schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup
 
 RUN = "benchtrainer"
 """The run of ``bench.trainer``'s (and ``bench.gpu_trainer``'s) groups."""

@@ -55,19 +55,19 @@ import yaml
 
 from bench.common import BenchRedis, median_of, print_table, redis_cpu
 from bench.rollouts import make_completion_text, make_problem
-from consumers.bus import StreamReader
-from consumers.scorer.bridge import GroupScore, RewardBridge
-from consumers.scorer.config import RewardConfig
-from consumers.scorer.consumer import Scorer, config_fingerprint
-from consumers.scorer.errors import ScoringError
-from consumers.scorer.sample import Sample
-from consumers.stage import Stage
-from ops.logging import configure_logging
-from ops.roles import consumer_name, load_reward_config
-from ops.settings import ScorerSettings
-from producers.publisher import Publisher
-from schemas import Completion, Fields, TrajectoryGroup, encode
-from schemas.keys import stream_keys
+from rollq.consumers.bus import StreamReader
+from rollq.consumers.scorer.bridge import GroupScore, RewardBridge
+from rollq.consumers.scorer.config import RewardConfig
+from rollq.consumers.scorer.consumer import Scorer, config_fingerprint
+from rollq.consumers.scorer.errors import ScoringError
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.stage import Stage
+from rollq.ops.logging import configure_logging
+from rollq.ops.roles import consumer_name, load_reward_config
+from rollq.ops.settings import ScorerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import Completion, Fields, TrajectoryGroup, encode
+from rollq.schemas.keys import stream_keys
 
 RUN = "benchscorer"
 TICK_S = 0.010

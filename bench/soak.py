@@ -42,8 +42,8 @@ import redis.asyncio as aioredis
 
 from bench.pipeline import RUN, PipelineOptions, Role, build_roles, outcome
 from bench.workers import FakeServerProcess
-from ops.stack import RedisProcess
-from schemas.keys import CONSUMED_COUNTER, counters_key, run_key, stream_key
+from rollq.ops.local.stack import RedisProcess
+from rollq.schemas.keys import CONSUMED_COUNTER, counters_key, run_key, stream_key
 
 # What "flat" means per kind of series: the absolute change over the judged window that is
 # noise whatever the mean (allocator pages, a batch in flight), and the relative one.

@@ -85,23 +85,23 @@ from bench.common import (
     run_role_processes,
 )
 from bench.rollouts import RUN, grpo_scored, make_group, make_groups
-from consumers.bus import Delivery, ReaderSettings, StreamReader
-from consumers.scorer.bridge import RewardBridge
-from consumers.scorer.config import RewardConfig
-from consumers.scorer.consumer import Scorer, config_fingerprint
-from consumers.stage import Stage
-from consumers.trainer import (
+from rollq.consumers.bus import Delivery, ReaderSettings, StreamReader
+from rollq.consumers.scorer.bridge import RewardBridge
+from rollq.consumers.scorer.config import RewardConfig
+from rollq.consumers.scorer.consumer import Scorer, config_fingerprint
+from rollq.consumers.stage import Stage
+from rollq.consumers.trainer import (
     SyncTrainerClient,
     TrainerClient,
     TrainerClientSettings,
     pad_groups,
 )
-from ops.logging import configure_logging
-from producers.publisher import Publisher
-from schemas import Fields, TrajectoryGroup, decode_scored, encode
-from schemas.decoding import decode_scored_columns
-from schemas.heap import freeze_heap
-from schemas.keys import stream_key
+from rollq.ops.logging import configure_logging
+from rollq.producers.publisher import Publisher
+from rollq.schemas import Fields, TrajectoryGroup, decode_scored, encode
+from rollq.schemas.decoding import decode_scored_columns
+from rollq.schemas.heap import freeze_heap
+from rollq.schemas.keys import stream_key
 
 TRAJ = stream_key(RUN, 0, "traj")
 SCORED = stream_key(RUN, 0, "scored")

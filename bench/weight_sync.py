@@ -3,7 +3,7 @@ weight-transfer API, rollq's CPU backend ``rollq_tcp``), on a real CPU vLLM serv
 
     python -m bench.weight_sync [--repeats 3] [--shapes tiny,100m]
 
-For each model shape (``ops.tiny_model.SHAPES``: the tiny test model, and a random
+For each model shape (``ops.local.tiny_model.SHAPES``: the tiny test model, and a random
 Qwen2-shaped ~105M-parameter model made locally) a vLLM server starts with
 ``--weight-transfer-config '{"backend": "rollq_tcp"}'`` and a trainer (the SDK, one client
 per method) syncs fresh weights ``--repeats`` times by each method, interleaved so drift
@@ -49,9 +49,9 @@ import redis.asyncio as aioredis
 import torch
 from transformers import AutoModelForCausalLM
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from ops.stack import RedisProcess, VllmProcess
-from ops.tiny_model import write_tiny_model
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.ops.local.stack import RedisProcess, VllmProcess
+from rollq.ops.local.tiny_model import write_tiny_model
 
 PROMPT = "the quick brown fox 1 2 3"
 

@@ -13,8 +13,8 @@ fake     One worker process (``build_worker(..., burst=True)``, run in this proc
          worker's start-up (clients built, run registered) to the last XADD on the traj
          stream (its entry id's millisecond). Every ``--concurrency`` value is run
          ``--runs`` times, interleaved; the best median is the figure.
-vllm     A real CPU vLLM server (``ops.stack.VllmProcess``, the tiny model of
-         ``ops.tiny_model``) and the same ``--items`` gsm8k chat requests (``n =
+vllm     A real CPU vLLM server (``ops.local.stack.VllmProcess``, the tiny model of
+         ``ops.local.tiny_model``) and the same ``--items`` gsm8k chat requests (``n =
          --group-size``, ``--max-tokens`` with ``ignore_eos`` so every choice has the same
          length), sent two ways at the same concurrency (``--vllm-concurrency``):
          direct  httpx + orjson straight to the server, the request body rollq sends;
@@ -55,11 +55,11 @@ import orjson
 import redis.asyncio as aioredis
 
 from bench.common import BenchRedis, free_port, median_of, print_table, redis_cpu
-from producers.envs.registry import make_env
-from producers.inference import SamplingParams
-from producers.worker import build_worker, connect_queue, enqueue_rollout
-from schemas import decode_trajectory
-from schemas.keys import stream_key
+from rollq.producers.envs.registry import make_env
+from rollq.producers.inference import SamplingParams
+from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout
+from rollq.schemas import decode_trajectory
+from rollq.schemas.keys import stream_key
 
 ENV = "gsm8k"
 MODEL = "rollq-tiny"
@@ -448,8 +448,8 @@ async def bench_vllm(args: argparse.Namespace, redis_url: str, python: str) -> f
     bodies = [chat_body(env.prompt(env.item(p % len(env))), args.group_size, sampling)  # type: ignore[arg-type]
               for p in range(args.items)]
     with tempfile.TemporaryDirectory(prefix="rollq-bench-vllm-") as tmp:
-        from ops.stack import VllmProcess
-        from ops.tiny_model import write_tiny_model
+        from rollq.ops.local.stack import VllmProcess
+        from rollq.ops.local.tiny_model import write_tiny_model
 
         with _logs_discarded():  # transformers' progress bar
             model_dir = write_tiny_model(Path(tmp) / MODEL, seed=0)
@@ -539,7 +539,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from ops.logging import configure_logging
+    from rollq.ops.logging import configure_logging
 
     configure_logging("json", args.log_level)  # as `rollq workers` does (stderr: /dev/null)
     fake_rate: float | None = None

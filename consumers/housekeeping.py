@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from consumers.bus import translated_errors
+from rollq.consumers.bus import translated_errors
 
 # KEYS[1] stream; ARGV[1] group, ARGV[2] idle ms, ARGV[3] a name to keep. Deletes, in one
 # atomic step, the consumers with nothing pending that have been idle that long.

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from consumers.bus import Delivery, StreamReader
-from schemas import ConfigError, Fields
-from schemas.failures import Kind, Verdict, classify, decide
+from rollq.consumers.bus import Delivery, StreamReader
+from rollq.schemas import ConfigError, Fields
+from rollq.schemas.failures import Kind, Verdict, classify, decide
 
 log = structlog.get_logger("rollq.stage")
 

@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
-from schemas import BrokerUnavailable
-from schemas.heap import freeze_heap
+from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.heap import freeze_heap
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -315,7 +315,7 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     with SyncTrainerClient(args.redis_url, run=args.run, consumer=args.consumer,
                            settings=settings) as client:
         if args.metrics_port is not None:  # steps, staleness, consumed + the run's series
-            from ops.role_metrics import serve_trainer_metrics
+            from rollq.ops.role_metrics import serve_trainer_metrics
 
             serve_trainer_metrics(client.client, args.metrics_port, redis_url=args.redis_url,
                                   redis_options=settings.redis_tls(os.environ).options(

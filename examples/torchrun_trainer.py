@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
-from consumers.trainer import (
+from rollq.consumers.trainer import (
     DataParallelSteps,
     PackedBatch,
     SyncBatch,
@@ -64,8 +64,8 @@ from consumers.trainer import (
     WeightSyncError,
     init_ranks,
 )
-from schemas import BrokerUnavailable
-from schemas.heap import freeze_heap
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.heap import freeze_heap
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

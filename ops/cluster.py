@@ -33,7 +33,7 @@ import redis
 import redis.exceptions as redis_errors
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, PipelineCommand, RedisCluster
 
-from schemas.errors import refusals_named
+from rollq.schemas.errors import refusals_named
 
 WRITE_COMMANDS = frozenset({
     "XADD", "XACK", "XTRIM", "XDEL", "XGROUP", "HSET", "HSETNX", "HINCRBY", "HDEL", "SET",

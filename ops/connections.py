@@ -24,11 +24,11 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 
-from ops.cluster import ClusterClient
-from ops.settings import CommonSettings
-from schemas import ConfigError
-from schemas.errors import refusals_named
-from schemas.tls import RedisTls
+from rollq.ops.cluster import ClusterClient
+from rollq.ops.settings import CommonSettings
+from rollq.schemas import ConfigError
+from rollq.schemas.errors import refusals_named
+from rollq.schemas.tls import RedisTls
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """rollq's URL schemes for a Redis Cluster, and the plain scheme of their nodes."""

@@ -1,5 +1,5 @@
 """Dead letters of a run: list, look up and requeue them (the "retry from the dead set"
-workflow of Sidekiq and Kafka DLQs). The command line is ``ops.dead_cli``.
+workflow of Sidekiq and Kafka DLQs). The command line is ``ops.cli.dead``.
 
 Requeueing a letter puts its work back where it failed:
 
@@ -40,11 +40,10 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import is_entry_id, join_trajectories, translated_errors
-from consumers.trainer import TrainerClientSettings
-from producers.sessions.host import SOURCE_PREFIX as SESSIONS_SOURCE_PREFIX
-from producers.worker import parse_job_id
-from schemas import (
+from rollq.consumers.bus import is_entry_id, join_trajectories, translated_errors
+from rollq.consumers.trainer import TrainerClientSettings
+from rollq.producers.sessions.host import SOURCE_PREFIX as SESSIONS_SOURCE_PREFIX
+from rollq.schemas import (
     DeadLetter,
     DecodeError,
     Fields,
@@ -53,10 +52,11 @@ from schemas import (
     decode_dead,
     trajectory_ref,
 )
-from schemas.keys import (
+from rollq.schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
     counters_key,
+    parse_job_id,
     readmit_key,
     state_key,
     stream_key,
@@ -376,7 +376,7 @@ def payload_summary(payload: Fields) -> dict[str, Any]:
     return {"decoded": decoded, "error": None, "fields": sizes}
 
 
-async def describe(redis: aioredis.Redis, item: Letter) -> dict[str, Any]:
+async def letter_in_full(redis: aioredis.Redis, item: Letter) -> dict[str, Any]:
     """A letter in full: every field of the letter, and ``payload_summary`` of its payload
     (a reference-form scored payload joined with its traj entry, while that exists)."""
     letter = item.letter

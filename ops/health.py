@@ -1,6 +1,6 @@
 """The workers' arq health records: how many worker processes are alive, and their jobs.
 
-Each worker process of a run writes its own record (``producers.worker.HEALTH_KEY``) every
+Each worker process of a run writes its own record (``schemas.keys.HEALTH_KEY``) every
 ``HEALTH_INTERVAL_S``, with a TTL one second longer, in arq's format::
 
     Nov-24 05:31:02 j_complete=12 j_failed=0 j_retried=3 j_ongoing=4 queued=20
@@ -15,8 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from producers.worker import HEALTH_KEY
-from schemas.keys import run_key
+from rollq.schemas.keys import HEALTH_KEY, run_key
 
 _FIELD = re.compile(rb"\b(j_complete|j_failed|j_retried|j_ongoing|queued)=(\d+)")
 FIELDS = {"j_complete": "complete", "j_failed": "failed", "j_retried": "retried",

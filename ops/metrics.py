@@ -32,10 +32,10 @@ import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
-from ops.connections import CLUSTER_SCHEMES
-from ops.health import read_health_sync
-from schemas import ConfigError, DecodeError, scored_rewards
-from schemas.keys import (
+from rollq.ops.connections import CLUSTER_SCHEMES
+from rollq.ops.health import read_health_sync
+from rollq.schemas import ConfigError, DecodeError, scored_rewards
+from rollq.schemas.keys import (
     ADMITTED_FIELD,
     CONSUMED_COUNTER,
     DROP_PREFIX,
@@ -47,7 +47,7 @@ from schemas.keys import (
     stream_key,
     sum_counters,
 )
-from schemas.stats import Histogram
+from rollq.schemas.stats import Histogram
 
 try:  # the `metrics` extra
     import prometheus_client

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import append_entries, read_range, translated_errors
-from consumers.scorer.bridge import RewardBridge
-from consumers.scorer.consumer import Scorer, config_fingerprint
-from ops.connections import open_redis
-from ops.roles import load_reward_config
-from ops.settings import ScorerSettings
-from producers.publisher import Publisher
-from schemas import (
+from rollq.consumers.bus import append_entries, read_range, translated_errors
+from rollq.consumers.scorer.bridge import RewardBridge
+from rollq.consumers.scorer.consumer import Scorer, config_fingerprint
+from rollq.ops.connections import open_redis
+from rollq.ops.roles import load_reward_config
+from rollq.ops.settings import ScorerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import (
     DeadLetter,
     Fields,
     ScoredGroup,
@@ -44,8 +44,8 @@ from schemas import (
     encode,
     encode_dead,
 )
-from schemas.failures import Kind, Verdict, backoff_s, classify, decide
-from schemas.keys import (
+from rollq.schemas.failures import Kind, Verdict, backoff_s, classify, decide
+from rollq.schemas.keys import (
     DROP_PREFIX,
     SCORED_COUNTER,
     counters_key,

@@ -34,23 +34,22 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Response
-
-from consumers.trainer import SyncTrainerClient
-from producers.inference import InferencePool
-from producers.worker import DEAD_LETTERED, OUTCOMES, PUBLISHED
-from schemas import ConfigError
-from schemas.stats import Histogram
+from rollq.consumers.trainer import SyncTrainerClient
+from rollq.producers.inference import InferencePool
+from rollq.producers.worker import DEAD_LETTERED, OUTCOMES, PUBLISHED
+from rollq.schemas import ConfigError
+from rollq.schemas.stats import Histogram
 
 if TYPE_CHECKING:
     from arq.worker import Worker
+    from fastapi import FastAPI
 
-    from consumers.trainer import TrainerClient
-    from ops.metrics import RoleMetrics
-    from producers.feeder import Feeder
-    from producers.inference.capture import CaptureHub
-    from producers.inference.server import InferenceServer
-    from producers.sessions import SessionHost
+    from rollq.consumers.trainer import TrainerClient
+    from rollq.ops.metrics import RoleMetrics
+    from rollq.producers.feeder import Feeder
+    from rollq.producers.inference.capture import CaptureHub
+    from rollq.producers.inference.server import InferenceServer
+    from rollq.producers.sessions import SessionHost
 
 Register = Callable[["RoleMetrics"], None]
 
@@ -176,7 +175,7 @@ def serve_trainer_metrics(client: TrainerClient | SyncTrainerClient, port: int, 
     """Serve a trainer's ``/metrics`` (its own series, plus the run-wide ones when
     ``redis_url`` is given) from a background thread; returns the endpoint (``close()`` it)
     and the port (``port=0``: a free one). ``client``: the async or the sync client."""
-    from ops.metrics import RoleMetrics
+    from rollq.ops.metrics import RoleMetrics
 
     if isinstance(client, SyncTrainerClient):
         client = client.client
@@ -229,6 +228,8 @@ def add_metrics_route(app: FastAPI, make: Callable[[], RoleMetrics]) -> None:
     """``GET /metrics`` on an HTTP role's own server. The endpoint is made at the first
     scrape (``make``), and rendered in a thread: the run-wide series read Redis with a
     blocking client. Without the ``metrics`` extra the route answers 501."""
+    from fastapi import Response  # the HTTP roles' extra ('servers'): they alone call this
+
     made: list[RoleMetrics] = []
 
     @app.get("/metrics", include_in_schema=False)

@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -23,54 +22,54 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from consumers.bus import StreamReader, trim_streams
-from consumers.housekeeping import forget_idle_consumers, trim_dead
-from consumers.scorer.bridge import RewardBridge
-from consumers.scorer.config import RewardConfig
-from consumers.scorer.consumer import Scorer, config_fingerprint
-from consumers.stage import Stage
-from consumers.trainer.client import TRAINER_GROUP
-from ops.connections import (
+from rollq.consumers.bus import StreamReader, trim_streams
+from rollq.consumers.housekeeping import forget_idle_consumers, trim_dead
+from rollq.consumers.scorer.bridge import RewardBridge
+from rollq.consumers.scorer.config import RewardConfig
+from rollq.consumers.scorer.consumer import Scorer, config_fingerprint
+from rollq.consumers.stage import Stage
+from rollq.consumers.trainer.client import TRAINER_GROUP
+from rollq.ops.connections import (
     open_queue_redis,
     open_redis,
     queue_options,
     queue_url,
     redis_options,
 )
-from ops.looplag import LoopLagMonitor
-from ops.role_metrics import feeder_metrics, worker_metrics
-from ops.settings import (
+from rollq.ops.looplag import LoopLagMonitor
+from rollq.ops.role_metrics import feeder_metrics, worker_metrics
+from rollq.ops.settings import (
     CommonSettings,
     FeederSettings,
     ReaderTuning,
     ScorerSettings,
     WorkerSettings,
 )
-from ops.status import known_runs
-from ops.watchdog import RunWatchdog, watching
-from ops.watching import Watched, probe_command, ride_out
-from producers.envs.base import Env
-from producers.envs.registry import make_env
-from producers.feeder import Feeder, FeedPlan
-from producers.inference import SamplingParams
-from producers.inference.served import check_served
-from producers.order import record_seed
-from producers.publisher import Publisher
-from producers.worker import (
+from rollq.ops.status import known_runs
+from rollq.ops.watchdog import RunWatchdog, watching
+from rollq.ops.watching import Watched, probe_command, ride_out
+from rollq.producers.envs.base import Env
+from rollq.producers.envs.registry import make_env
+from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.inference import SamplingParams
+from rollq.producers.inference.served import check_served
+from rollq.producers.order import record_seed
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import (
     build_worker,
     connect_queue,
     enqueue_rollout,
     queue_name,
     requeue_rollout,
 )
-from schemas import BrokerUnavailable, ConfigError
-from schemas.errors import REFUSALS, access_refused
-from schemas.heap import startup_done
-from schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
-from schemas.outage import OutageRider, StoppedDuringOutage
+from rollq.schemas import BrokerUnavailable, ConfigError
+from rollq.schemas.errors import REFUSALS, access_refused
+from rollq.schemas.heap import startup_done
+from rollq.schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
+from rollq.schemas.outage import OutageRider, StoppedDuringOutage
 
 if TYPE_CHECKING:
-    from ops.metrics import RoleMetrics
+    from rollq.ops.metrics import RoleMetrics
 
 log = structlog.get_logger("rollq.roles")
 
@@ -83,17 +82,6 @@ DEFAULT_REWARD = {
     ],
     "advantages": {"method": "grpo", "zero_variance": "drop"},
 }
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT or SIGTERM: stop reading, finish the batch in hand, exit."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    if threading.current_thread() is not threading.main_thread():
-        return stop  # signals reach only the main thread (a command run from a test's thread)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 def consumer_name(settings: ReaderTuning, role: str) -> str:
@@ -213,7 +201,7 @@ async def serve_metrics(settings: CommonSettings, role: str, lag: LoopLagMonitor
     if settings.metrics_port is None:
         yield
         return
-    from ops.metrics import RoleMetrics
+    from rollq.ops.metrics import RoleMetrics
 
     queue: str | None = None
     if role in ("workers", "feeder"):  # the workers' health series: a SCAN of the queue's

@@ -2,8 +2,13 @@
 
 Precedence, highest first: command-line flags, ``ROLLQ_<FIELD>`` environment variables, the
 config file (YAML; top-level keys shared by every role, plus one section per role), the
-model's defaults. Library code never reads ``os.environ``: only ``load_settings`` does,
-and only when the CLI hands it the environment.
+model's defaults.
+
+A setting is declared once, as a field with a docstring: its flag (``flag_name``), its
+environment variable (``env_name``), its YAML key (the field's name) and its line in
+``docs/reference/settings.md`` are all derived from the field (``ops.cli.common`` builds
+the flags, ``ops.docs_settings`` the page). Library code never reads ``os.environ``: only
+``load_settings`` does, and only when the CLI hands it the environment.
 
 A config file may look like::
 
@@ -18,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_origin
+from types import NoneType, UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -30,10 +36,12 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
-from consumers.bus import ReaderSettings
-from schemas import ConfigError
-from schemas.keys import check_run_name
+from rollq.consumers.bus import ReaderSettings
+from rollq.schemas import ConfigError
+from rollq.schemas.keys import check_run_name
 
 S = TypeVar("S", bound="CommonSettings")
 ENV_PREFIX = "ROLLQ_"
@@ -42,7 +50,8 @@ ENV_PREFIX = "ROLLQ_"
 class CommonSettings(BaseModel):
     """Settings every role shares."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # use_attribute_docstrings: each field's docstring is its description, the help of its flag
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     section: str = Field(default="", exclude=True, repr=False)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -345,16 +354,19 @@ def load_settings(
         for name, value in role.items():  # a role's own section: unknown names are errors
             values[name], sources[name] = value, f"{config_file} [{section}]"
     for name, field in cls.model_fields.items():
-        raw = environ.get(ENV_PREFIX + name.upper())
+        raw = environ.get(env_name(name))
         if raw is not None and name != "section":
-            values[name] = raw.split(",") if get_origin(field.annotation) is list else raw
-            if get_origin(field.annotation) is dict:
+            kind = get_origin(value_type(field))
+            values[name] = raw.split(",") if kind is list else raw
+            if kind is dict:
                 values[name] = yaml.safe_load(raw)
-            sources[name] = ENV_PREFIX + name.upper()
+            sources[name] = env_name(name)
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = value
-            sources[name] = "--" + name.replace("_", "-")
+            declared = cls.model_fields.get(name)
+            sources[name] = (flag_name(name, declared) if declared else
+                             "--" + name.replace("_", "-"))
     try:
         return cls(**values)
     except ValidationError as exc:
@@ -364,6 +376,37 @@ def load_settings(
             origin = sources.get(str(error["loc"][0]), "default") if error["loc"] else "?"
             problems.append(f"{where} (from {origin}): {error['msg']}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+def flag_name(name: str, field: FieldInfo) -> str:
+    """A setting's command-line flag: its name with dashes (``redis_url``: ``--redis-url``);
+    a mapping's flag is singular and repeatable (``env_options``: ``--env-option KEY=VALUE``)."""
+    if get_origin(value_type(field)) is dict:
+        name = name.removesuffix("s")
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """A setting's environment variable: ``ROLLQ_`` and its name in capitals."""
+    return ENV_PREFIX + name.upper()
+
+
+def value_type(field: FieldInfo) -> Any:
+    """A field's type without ``None`` (``int | None``: ``int``); pydantic keeps an
+    ``Annotated`` field's checks in ``field.metadata``, so this is the bare type."""
+    annotation = field.annotation
+    if get_origin(annotation) in (Union, UnionType):
+        rest = [arg for arg in get_args(annotation) if arg is not NoneType]
+        if len(rest) == 1:
+            return rest[0]
+    return annotation
+
+
+def default_value(field: FieldInfo) -> Any:
+    """A field's default, its factory called (every settings factory takes no argument)."""
+    if field.default is PydanticUndefined and field.default_factory is not None:
+        return field.default_factory()  # type: ignore[call-arg]
+    return field.default
 
 
 def roles() -> dict[str, type[CommonSettings]]:

@@ -9,14 +9,13 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from consumers.bus import StreamStats, stream_stats, translated_errors
-from consumers.trainer.client import TRAINER_GROUP
-from ops.health import WorkersHealth, read_health
-from producers.admission import outstanding
-from producers.worker import queue_name
-from schemas import DecodeError, breaker, scored_rewards
-from schemas.breaker import Tripped
-from schemas.keys import (
+from rollq.consumers.bus import StreamStats, stream_stats, translated_errors
+from rollq.consumers.trainer.client import TRAINER_GROUP
+from rollq.ops.health import WorkersHealth, read_health
+from rollq.producers.admission import outstanding
+from rollq.schemas import DecodeError, breaker, scored_rewards
+from rollq.schemas.breaker import Tripped
+from rollq.schemas.keys import (
     ADMITTED_FIELD,
     DROP_PREFIX,
     PARTITIONS_FIELD,
@@ -24,6 +23,7 @@ from schemas.keys import (
     RUNS_KEY,
     STREAM_NAMES,
     counters_key,
+    queue_name,
     readmit_key,
     sessions_key,
     state_key,

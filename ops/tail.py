@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from consumers.bus import join_trajectories
-from schemas import ContractError, Fields, ScoredGroup, decode, decode_dead, trajectory_ref
+from rollq.consumers.bus import join_trajectories
+from rollq.schemas import ContractError, Fields, ScoredGroup, decode, decode_dead, trajectory_ref
 
 
 def _snippet(text: str, width: int) -> str:

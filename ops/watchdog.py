@@ -32,13 +32,13 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.trainer.waiting import TRAINER_WAITING_FIELD
-from ops.status import known_runs
-from producers.admission import outstanding
-from producers.feeder import Feeder
-from schemas import BrokerUnavailable, breaker
-from schemas.errors import translated_errors
-from schemas.keys import (
+from rollq.consumers.trainer.waiting import TRAINER_WAITING_FIELD
+from rollq.ops.status import known_runs
+from rollq.producers.admission import outstanding
+from rollq.producers.feeder import Feeder
+from rollq.schemas import BrokerUnavailable, breaker
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import (
     ADMITTED_FIELD,
     CONSUMED_COUNTER,
     DROP_PREFIX,

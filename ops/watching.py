@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from schemas import BrokerUnavailable
-from schemas.errors import translated_errors
-from schemas.outage import OutageRider
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.outage import OutageRider
 
 Probe = Callable[[], Awaitable[object]]
 

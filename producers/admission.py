@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from schemas.keys import CONSUMED_COUNTER, DROP_PREFIX
+from rollq.schemas.keys import CONSUMED_COUNTER, DROP_PREFIX
 
 # A duplicate is an extra copy of an admitted group; it never took a slot of its own.
 NOT_FREEING_SLOTS = frozenset({"duplicate"})

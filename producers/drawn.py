@@ -22,9 +22,9 @@ import orjson
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from schemas import ContractError
-from schemas.errors import translated_errors
-from schemas.keys import run_key
+from rollq.schemas import ContractError
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import run_key
 
 RECORD_TTL_S = 30 * 24 * 3600
 """A record outlives a queued job (``producers.worker.JOB_EXPIRY_S``) and a dead letter's

@@ -51,22 +51,22 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from producers.admission import admit, outstanding
-from producers.worker import parse_job_id
-from schemas import BrokerUnavailable, breaker
-from schemas.breaker import Tripped
-from schemas.errors import REFUSALS, access_refused, translated_errors
-from schemas.keys import (
+from rollq.producers.admission import admit, outstanding
+from rollq.schemas import BrokerUnavailable, breaker
+from rollq.schemas.breaker import Tripped
+from rollq.schemas.errors import REFUSALS, access_refused, translated_errors
+from rollq.schemas.keys import (
     ADMITTED_FIELD,
     PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
     counters_key,
+    parse_job_id,
     readmit_key,
     run_key,
     state_key,
     sum_counters,
 )
-from schemas.outage import OutageRider, StoppedDuringOutage
+from rollq.schemas.outage import OutageRider, StoppedDuringOutage
 
 log = structlog.get_logger("rollq.feeder")
 CURSOR_FIELD = "cursor"

@@ -19,9 +19,9 @@ from functools import lru_cache
 import numpy as np
 import redis.asyncio as aioredis
 
-from schemas import ConfigError
-from schemas.errors import translated_errors
-from schemas.keys import state_key
+from rollq.schemas import ConfigError
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import state_key
 
 SHUFFLE_SEED_FIELD = "shuffle_seed"
 """State-hash field: the run's shuffle seed (absent: dataset order)."""

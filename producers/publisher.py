@@ -11,23 +11,23 @@ import time
 
 import redis.asyncio as aioredis
 
-from schemas import (
+from rollq.schemas import (
     ContractError,
     DeadLetter,
     TrajectoryGroup,
     encode,
     encode_dead,
 )
-from schemas.errors import translated_errors
-from schemas.failures import ENTRY_TOO_LARGE
-from schemas.keys import (
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.failures import ENTRY_TOO_LARGE
+from rollq.schemas.keys import (
     DROP_PREFIX,
     check_run_name,
     counters_key,
     partition_of,
     stream_key,
 )
-from schemas.runs import register_run
+from rollq.schemas.runs import register_run
 
 
 class EntryTooLarge(ContractError):

@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from producers.drawn import ItemLedger
-from producers.envs.base import DrawingEnv, Env, Item
-from producers.inference import InferencePool, SamplingParams
-from producers.order import item_index, read_seed
-from producers.publisher import Publisher
-from schemas import ContractError, TrajectoryGroup
-from schemas.errors import translated_errors
-from schemas.keys import POLICY_VERSION_FIELD, state_key
+from rollq.producers.drawn import ItemLedger
+from rollq.producers.envs.base import DrawingEnv, Env, Item
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.order import item_index, read_seed
+from rollq.producers.publisher import Publisher
+from rollq.schemas import ContractError, TrajectoryGroup
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key
 
 log = structlog.get_logger("rollq.rollout")
 

@@ -63,45 +63,28 @@ from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.constants import job_key_prefix, result_key_prefix, retry_key_prefix
 from arq.worker import Worker, func
 
-from producers.envs.base import Env
-from producers.inference import InferencePool, SamplingParams
-from producers.publisher import Publisher
-from producers.rollout import PolicyVersionSource, RolloutRunner
-from schemas import BrokerUnavailable, ConfigError
-from schemas.breaker import record_failure, record_success
-from schemas.errors import refusals_named
-from schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
-from schemas.heap import startup_done
-from schemas.keys import run_key
-from schemas.tls import url_tls_options
+from rollq.producers.envs.base import Env
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.publisher import Publisher
+from rollq.producers.rollout import PolicyVersionSource, RolloutRunner
+from rollq.schemas import BrokerUnavailable, ConfigError
+from rollq.schemas.breaker import record_failure, record_success
+from rollq.schemas.errors import refusals_named
+from rollq.schemas.failures import JOB_TIMEOUT, Action, Kind, Verdict, backoff_s, classify, decide
+from rollq.schemas.heap import startup_done
+
+# a run's job ids and queue, named with its keys (no arq there); re-exported
+from rollq.schemas.keys import HEALTH_INTERVAL_S, HEALTH_KEY, run_key
+from rollq.schemas.keys import job_id as job_id
+from rollq.schemas.keys import parse_job_id as parse_job_id
+from rollq.schemas.keys import queue_name as queue_name
+from rollq.schemas.tls import url_tls_options
 
 log = structlog.get_logger("rollq.worker")
 JOB_FUNCTION = "rollout"
 JOB_EXPIRY_S = 30 * 24 * 3600
 """A queued job's key lives this long (arq fails a job whose key expired without running
 it; its default of a day would silently leak the slots of a weekend's queue)."""
-
-
-def queue_name(run: str) -> str:
-    """The arq queue of a run's rollout jobs."""
-    return run_key(run, "jobs")
-
-
-def job_id(run: str, env: str, position: int) -> str:
-    """``<run>:<env>:<position>``: the job id, the group id it publishes, and the
-    ``source_id`` of its dead letter (``rollq dead requeue`` splits it from the right)."""
-    return f"{run}:{env}:{position}"
-
-
-def parse_job_id(run: str, ident: str) -> tuple[str, int] | None:
-    """``(env, position)`` of job id ``<run>:<env>:<position>`` (an env name may hold
-    colons); None when ``ident`` is not a job id of ``run``."""
-    if not ident.startswith(run + ":"):
-        return None
-    env, _, position = ident[len(run) + 1:].rpartition(":")
-    if not env or not position.isdigit():
-        return None
-    return env, int(position)
 
 
 def _serialize(value: Any) -> bytes:
@@ -159,11 +142,6 @@ PUBLISHED, DEAD_LETTERED = "published", "dead_lettered"
 ON_REFUSED = "rollq_on_refused"
 """Key of the worker's ``ctx``: called with a ``ConfigError`` a job met (``build_worker``'s
 ``on_refused``)."""
-HEALTH_KEY = "workers:health:"
-"""``run_key(run, HEALTH_KEY + name)``: arq's health record of one worker process,
-``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
-``HEALTH_INTERVAL_S`` and expiring a second later (``ops.health`` reads them)."""
-HEALTH_INTERVAL_S = 10
 
 
 async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,

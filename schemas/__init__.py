@@ -4,8 +4,8 @@ This package is the leaf of the import graph: it imports nothing else of rollq's
 trainer can depend on it alone.
 """
 
-from schemas.arrays import broadcast, is_broadcast
-from schemas.codec import (
+from rollq.schemas.arrays import broadcast, is_broadcast
+from rollq.schemas.codec import (
     Fields,
     decode,
     decode_dead,
@@ -18,7 +18,7 @@ from schemas.codec import (
     scored_rewards,
     trajectory_ref,
 )
-from schemas.errors import (
+from rollq.schemas.errors import (
     BrokerUnavailable,
     ConfigError,
     ContractError,
@@ -29,7 +29,7 @@ from schemas.errors import (
     TransientError,
     UnknownVersionError,
 )
-from schemas.models import (
+from rollq.schemas.models import (
     SCHEMA_VERSION,
     Completion,
     DeadLetter,

@@ -26,9 +26,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from schemas.errors import translated_errors
-from schemas.failures import CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT
-from schemas.keys import state_key
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.failures import CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT
+from rollq.schemas.keys import state_key
 
 STREAK_REASONS = frozenset({CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT})
 """Dead-letter reasons that point at the run's configuration (the model, the servers),

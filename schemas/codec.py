@@ -39,10 +39,10 @@ import numpy as np
 import orjson
 from pydantic import ValidationError
 
-from schemas.arrays import is_broadcast
-from schemas.columns import TrajectoryColumns
-from schemas.decoding import decode, decode_scored, decode_trajectory, scored_rewards
-from schemas.entry import (
+from rollq.schemas.arrays import is_broadcast
+from rollq.schemas.columns import TrajectoryColumns
+from rollq.schemas.decoding import decode, decode_scored, decode_trajectory, scored_rewards
+from rollq.schemas.entry import (
     F32,
     I32,
     IDENTITY_FIELDS,
@@ -58,8 +58,8 @@ from schemas.entry import (
     field_text,
     short_error,
 )
-from schemas.errors import ContractError, DecodeError
-from schemas.models import (
+from rollq.schemas.errors import ContractError, DecodeError
+from rollq.schemas.models import (
     SCHEMA_VERSION,
     DeadLetter,
     StreamGroup,

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.arrays import Float32Array, Int32Array, UInt8Array, broadcast
-from schemas.entry import split_at
-from schemas.models import (
+from rollq.schemas.arrays import Float32Array, Int32Array, UInt8Array, broadcast
+from rollq.schemas.entry import split_at
+from rollq.schemas.models import (
     SCHEMA_VERSION,
     Completion,
     ScoredGroup,

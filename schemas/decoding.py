@@ -14,8 +14,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
-from schemas.columns import ScoredColumns, TrajectoryColumns
-from schemas.entry import (
+from rollq.schemas.columns import ScoredColumns, TrajectoryColumns
+from rollq.schemas.entry import (
     F32,
     I32,
     IDENTITY_NAMES,
@@ -31,8 +31,8 @@ from schemas.entry import (
     sized_array,
     whole_array,
 )
-from schemas.errors import DecodeError
-from schemas.models import (
+from rollq.schemas.errors import DecodeError
+from rollq.schemas.models import (
     Completion,
     FiniteFloat,
     ScoredGroup,

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from schemas.arrays import MAX_VERSION, check_values
-from schemas.errors import DecodeError, UnknownVersionError
-from schemas.models import SCHEMA_VERSION, check_tokens
+from rollq.schemas.arrays import MAX_VERSION, check_values
+from rollq.schemas.errors import DecodeError, UnknownVersionError
+from rollq.schemas.models import SCHEMA_VERSION, check_tokens
 
 Fields = dict[bytes, bytes]
 I32, F32, U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<u1")

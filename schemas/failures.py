@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from schemas.errors import (
+from rollq.schemas.errors import (
     BrokerUnavailable,
     ContractError,
     DecodeError,
@@ -109,7 +109,7 @@ class Verdict:
         return self.action is Action.RETRY
 
 
-def describe(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """``Type: message``, one line, bounded (it goes into a dead letter and a log line)."""
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
     return text if len(text) <= 2000 else text[:1997] + "..."
@@ -137,7 +137,7 @@ def classify(exc: BaseException) -> Failure:
 
 
 def _classify_one(exc: BaseException) -> Failure:
-    detail = describe(exc)
+    detail = error_line(exc)
     if isinstance(exc, UnknownVersionError):
         return Failure(Kind.CONTRACT, UNKNOWN_VERSION, detail)
     if isinstance(exc, DecodeError):

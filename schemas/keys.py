@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
-from schemas.errors import ConfigError
+from rollq.schemas.errors import ConfigError
 
 StreamName = Literal["traj", "scored", "dead"]
 STREAM_NAMES: tuple[StreamName, ...] = ("traj", "scored", "dead")
@@ -118,3 +118,35 @@ def partner_key(key: str, name: str) -> str:
     """The key ``name`` (a stream or ``counters``) in the same partition as stream ``key``."""
     head, _, _ = key.rpartition(":")
     return f"{head}:{name}"
+
+
+# -- rollout jobs (arq's queue) ---------------------------------------------------------
+
+def queue_name(run: str) -> str:
+    """The arq queue of a run's rollout jobs."""
+    return run_key(run, "jobs")
+
+
+def job_id(run: str, env: str, position: int) -> str:
+    """``<run>:<env>:<position>``: the job id, the group id it publishes, and the
+    ``source_id`` of its dead letter (``rollq dead requeue`` splits it from the right)."""
+    return f"{run}:{env}:{position}"
+
+
+def parse_job_id(run: str, ident: str) -> tuple[str, int] | None:
+    """``(env, position)`` of job id ``<run>:<env>:<position>`` (an env name may hold
+    colons); None when ``ident`` is not a job id of ``run``."""
+    if not ident.startswith(run + ":"):
+        return None
+    env, _, position = ident[len(run) + 1:].rpartition(":")
+    if not env or not position.isdigit():
+        return None
+    return env, int(position)
+
+
+HEALTH_KEY = "workers:health:"
+"""``run_key(run, HEALTH_KEY + name)``: arq's health record of one worker process,
+``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
+``HEALTH_INTERVAL_S`` and expiring a second later (``producers.worker`` writes them,
+``ops.health`` reads them)."""
+HEALTH_INTERVAL_S = 10

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.arrays import MAX_VERSION, Floats, Mask, TokenIds, check_values
+from rollq.schemas.arrays import MAX_VERSION, Floats, Mask, TokenIds, check_values
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, NoReturn, Protocol, TypeVar
 
-from schemas.errors import BrokerUnavailable, RollqError
+from rollq.schemas.errors import BrokerUnavailable, RollqError
 
 T = TypeVar("T")
 

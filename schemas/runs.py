@@ -14,18 +14,18 @@ from typing import NamedTuple
 
 import redis.asyncio as aioredis
 
-from schemas.errors import translated_errors
-from schemas.keys import PARTITIONS_FIELD, RUNS_KEY, state_key
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import PARTITIONS_FIELD, RUNS_KEY, state_key
 
 
-class Registration(NamedTuple):
+class RunRecord(NamedTuple):
     partitions: int
     """The run's partition count in force (the first registration's)."""
     created: bool
     """Whether this call created the run (no role had registered it before)."""
 
 
-async def register_run(redis: aioredis.Redis, run: str, partitions: int) -> Registration:
+async def register_run(redis: aioredis.Redis, run: str, partitions: int) -> RunRecord:
     """Record ``run`` with ``partitions`` unless it exists; ``BrokerUnavailable`` when Redis
     cannot be reached."""
     async with translated_errors("registering the run"):
@@ -35,4 +35,4 @@ async def register_run(redis: aioredis.Redis, run: str, partitions: int) -> Regi
         pipe.hsetnx(state_key(run), "created_at", repr(time.time()))
         pipe.hget(state_key(run), PARTITIONS_FIELD)
         added, _, _, stored = await pipe.execute()
-    return Registration(int(stored), bool(added))
+    return RunRecord(int(stored), bool(added))

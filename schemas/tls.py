@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from schemas.errors import ConfigError
+from rollq.schemas.errors import ConfigError
 
 TLS_SCHEMES = ("rediss", "rediss+cluster")
 URL_TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",

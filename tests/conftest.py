@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 import structlog
 
-from ops.local_cluster import LocalCluster
+from rollq.ops.local.cluster import LocalCluster
 from tests.redis_server import RedisServer
 from tests.redis_tls import TlsRedis
 

@@ -6,7 +6,7 @@ import uuid
 
 import numpy as np
 
-from schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup
+from rollq.schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup
 
 
 def make_group(

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import redis
 
-from ops.process_groups import stop_group
-from ops.stack import free_port
+from rollq.ops.local.process_groups import stop_group
+from rollq.ops.local.stack import free_port
 
 ADMIN_PASSWORD = "admin-secret-pw"
 

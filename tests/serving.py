@@ -14,7 +14,7 @@ from typing import Any
 
 import uvicorn
 
-from ops.stack import free_port
+from rollq.ops.local.stack import free_port
 
 
 @contextlib.asynccontextmanager

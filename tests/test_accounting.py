@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from ops.status import collect_status, render_status
-from producers.publisher import Publisher
-from producers.worker import queue_name
-from schemas.keys import ADMITTED_FIELD, state_key
+from rollq.ops.status import collect_status, render_status
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import queue_name
+from rollq.schemas.keys import ADMITTED_FIELD, state_key
 from tests.factories import make_group
 from tests.producers.jobs import enqueue_positions
 from tests.redis_server import RedisServer

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from producers.admission import admit, outstanding
-from producers.feeder import Feeder, FeedPlan
-from schemas.keys import POLICY_VERSION_FIELD, counters_key, state_key
+from rollq.producers.admission import admit, outstanding
+from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.schemas.keys import POLICY_VERSION_FIELD, counters_key, state_key
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ def test_project_code_never_hard_imports_vllm() -> None:
 
 
 def test_schemas_public_surface_is_pinned() -> None:
-    import schemas
+    from rollq import schemas
 
     assert sorted(schemas.__all__) == sorted([
         "SCHEMA_VERSION", "BrokerUnavailable", "Completion", "ConfigError", "ContractError",

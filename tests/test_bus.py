@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import (
+from rollq.consumers.bus import (
     Delivery,
     ReaderSettings,
     StreamReader,
@@ -23,10 +23,10 @@ from consumers.bus import (
     run_of_stream,
     trim_streams,
 )
-from consumers.stage import Drop, Forward, Stage
-from producers.publisher import Publisher
-from schemas import decode_dead, decode_scored, decode_trajectory, encode
-from schemas.keys import counters_key, stream_key
+from rollq.consumers.stage import Drop, Forward, Stage
+from rollq.producers.publisher import Publisher
+from rollq.schemas import decode_dead, decode_scored, decode_trajectory, encode
+from rollq.schemas.keys import counters_key, stream_key
 from tests.factories import make_group, score
 from tests.redis_server import RedisServer
 

@@ -11,11 +11,11 @@ import sys
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import ReaderSettings, StreamReader
-from consumers.stage import Stage
-from ops.cli import Exit, main
-from producers.publisher import Publisher
-from schemas.keys import stream_key
+from rollq.consumers.bus import ReaderSettings, StreamReader
+from rollq.consumers.stage import Stage
+from rollq.ops.cli import Exit, main
+from rollq.producers.publisher import Publisher
+from rollq.schemas.keys import stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer, free_port
 from tests.test_bus import scored_forward
@@ -41,7 +41,7 @@ async def following(redis: aioredis.Redis) -> bool:
 
 def run_cli(*argv: str, url: str) -> tuple[int, str, str]:
     process = subprocess.run(
-        [sys.executable, "-m", "ops.cli", *argv, "--redis-url", url],
+        [sys.executable, "-m", "rollq", *argv, "--redis-url", url],
         capture_output=True, text=True, timeout=60,
     )
     return process.returncode, process.stdout, process.stderr
@@ -87,7 +87,7 @@ async def test_tail_follows_new_entries(real_redis: aioredis.Redis,
                                         redis_server: RedisServer) -> None:
     await _populate(real_redis)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo", "--count", "1",
+        sys.executable, "-m", "rollq", "tail", "traj", "--run", "demo", "--count", "1",
         "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
 
     await until(lambda: following(real_redis), "rollq tail to start following")
@@ -103,7 +103,7 @@ async def test_tail_stops_on_a_signal_and_exits_0(sig: signal.Signals,
                                                   redis_server: RedisServer) -> None:
     await _populate(real_redis)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "tail", "traj", "--run", "demo",
+        sys.executable, "-m", "rollq", "tail", "traj", "--run", "demo",
         "--redis-url", redis_server.url, stdout=asyncio.subprocess.PIPE)
 
     await until(lambda: following(real_redis), "rollq tail to start following")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from ops.cli import Exit, main
+from rollq.ops.cli import Exit, main
 from tests.redis_server import RedisServer
 
 DOWN = "redis://127.0.0.1:1/0"
@@ -112,7 +112,7 @@ def test_bad_arguments_are_one_line_and_exit_78(argv: list[str], needle: str,
 SIGNALLED_WHILE_STARTING = """
 import asyncio, contextlib, os, signal, sys
 from fastapi import FastAPI
-from ops.invocation import serve_http
+from rollq.ops.lifecycle import serve_http
 
 @contextlib.asynccontextmanager
 async def lifespan(app):
@@ -187,11 +187,11 @@ def test_a_bad_reward_config_names_the_field(redis_server: RedisServer, tmp_path
 async def test_roles_stop_on_sigterm_and_exit_0(command: list[str], started: bytes,
                                                 redis_server: RedisServer,
                                                 real_redis: aioredis.Redis) -> None:
-    from producers.publisher import Publisher
+    from rollq.producers.publisher import Publisher
 
     await Publisher(real_redis, "sig").register()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", *command, "--redis-url", redis_server.url,
+        sys.executable, "-m", "rollq", *command, "--redis-url", redis_server.url,
         "--run", "sig", env={**os.environ, "ROLLQ_LOG_FORMAT": "json"},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     assert process.stdout is not None

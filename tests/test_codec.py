@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import (
+from rollq.schemas import (
     Completion,
     ContractError,
     DeadLetter,
@@ -32,7 +32,7 @@ from schemas import (
     scored_rewards,
     trajectory_ref,
 )
-from schemas.decoding import decode_scored_columns, decode_trajectory_columns
+from rollq.schemas.decoding import decode_scored_columns, decode_trajectory_columns
 from tests.factories import make_group, score
 
 token_ids = st.integers(min_value=0, max_value=2**31 - 1)

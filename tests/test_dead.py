@@ -17,37 +17,37 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-import ops.dead
-from consumers.bus import Delivery, StreamReader
-from consumers.trainer import TrainerClient
-from consumers.trainer.client import TRAINER_GROUP
-from ops.cli import Exit, main
-from ops.dead import (
+import rollq.ops.dead as dead_module
+from rollq.consumers.bus import Delivery, StreamReader
+from rollq.consumers.trainer import TrainerClient
+from rollq.consumers.trainer.client import TRAINER_GROUP
+from rollq.ops.cli import Exit, main
+from rollq.ops.cli.dead import render_list, render_one
+from rollq.ops.dead import (
     Letter,
-    describe,
     find,
+    letter_in_full,
     letters,
     parse_time,
     published_at,
     requeue,
     too_old,
 )
-from ops.dead_cli import render_list, render_one
-from ops.roles import run_scorer
-from ops.settings import ScorerSettings
-from ops.status import collect_status, render_status
-from producers.admission import outstanding
-from producers.feeder import Feeder, FeedPlan
-from producers.publisher import Publisher
-from producers.worker import (
+from rollq.ops.roles import run_scorer
+from rollq.ops.settings import ScorerSettings
+from rollq.ops.status import collect_status, render_status
+from rollq.producers.admission import outstanding
+from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import (
     connect_queue,
     enqueue_rollout,
     job_id,
     queue_name,
     requeue_rollout,
 )
-from schemas import ContractError, DeadLetter, Fields, decode_trajectory, encode, encode_dead
-from schemas.keys import ADMITTED_FIELD, counters_key, readmit_key, state_key, stream_key
+from rollq.schemas import ContractError, DeadLetter, Fields, decode_trajectory, encode, encode_dead
+from rollq.schemas.keys import ADMITTED_FIELD, counters_key, readmit_key, state_key, stream_key
 from tests.factories import make_group, score
 from tests.producers.fake_vllm import FakeVLLM
 from tests.producers.test_job_failures import FlakyEnv, worker
@@ -168,7 +168,7 @@ async def test_list_filters_by_reason_time_and_partition(
     assert groups(await letters(real_redis, RUN, partition=7)) == []
     assert groups(await letters(real_redis, RUN, limit=2)) == ["d", "c"]
     assert groups(await letters(real_redis, RUN, limit=1, newest_first=False)) == ["a"]
-    monkeypatch.setattr(ops.dead, "_PAGE", 1)  # reads page by page, filters across pages
+    monkeypatch.setattr(dead_module, "_PAGE", 1)  # reads page by page, filters across pages
     assert groups(await letters(real_redis, RUN, reason="reward_error", limit=2,
                                 newest_first=False)) == ["a", "c"]
     assert groups(await letters(real_redis, RUN, reason="decode_error")) == ["b"]
@@ -199,7 +199,7 @@ async def test_show_decodes_the_payload_or_lists_its_fields(real_redis: aioredis
 
     async def shown(key: str) -> dict[str, Any]:
         [item] = await find(real_redis, RUN, ids[key])
-        return await describe(real_redis, item)
+        return await letter_in_full(real_redis, item)
 
     traj = await shown("traj")
     assert traj["payload"]["decoded"].items() >= {

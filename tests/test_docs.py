@@ -6,7 +6,7 @@
   module the docs tell the reader to write: it is importable while the YAML is checked;
 - every ``rollq …`` command in a ```bash / ```sh / ```shell / ```console block must parse
   with the real CLI parser (``ops.cli.build_parser``: parsed, never run);
-- ``docs/reference/settings.md`` must equal what ``python -m ops.docs_settings`` writes.
+- ``docs/reference/settings.md`` must equal what ``python -m rollq.ops.docs_settings`` writes.
 
 A failing snippet is a docs bug: fix the page, not this test.
 """
@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 import yaml
 
-from consumers.scorer import RewardConfig
-from consumers.scorer.bridge import RewardBridge
-from ops.cli import build_parser
-from ops.docs_settings import PAGE, render
-from producers.envs.registry import make_env
-from producers.inference import SamplingParams
+from rollq.consumers.scorer import RewardConfig
+from rollq.consumers.scorer.bridge import RewardBridge
+from rollq.ops.cli import build_parser
+from rollq.ops.docs_settings import PAGE, render
+from rollq.producers.envs.registry import make_env
+from rollq.producers.inference import SamplingParams
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import pool_of
 from tests.scorer.helpers import make_sample
@@ -257,11 +257,11 @@ async def test_the_quickstart_env_and_reward_run(modules_of_the_docs: list[str])
 
 def test_the_settings_page_is_current() -> None:
     assert PAGE.read_text(encoding="utf-8") == render(), (
-        "docs/reference/settings.md is stale: run python -m ops.docs_settings")
+        "docs/reference/settings.md is stale: run python -m rollq.ops.docs_settings")
 
 
 def test_the_settings_page_holds_every_field_with_its_docstring() -> None:
-    from ops.settings import WorkerSettings
+    from rollq.ops.settings import WorkerSettings
 
     page = render()
     for name in WorkerSettings.model_fields:

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from ops.roles import run_workers
-from ops.settings import WorkerSettings
-from producers.admission import outstanding
-from producers.publisher import EntryTooLarge, Publisher
-from producers.worker import connect_queue, enqueue_rollout, job_id
-from schemas import decode_dead, encode
-from schemas.failures import ENTRY_TOO_LARGE, Kind, classify
-from schemas.keys import ADMITTED_FIELD, counters_key, state_key, stream_key
+from rollq.ops.roles import run_workers
+from rollq.ops.settings import WorkerSettings
+from rollq.producers.admission import outstanding
+from rollq.producers.publisher import EntryTooLarge, Publisher
+from rollq.producers.worker import connect_queue, enqueue_rollout, job_id
+from rollq.schemas import decode_dead, encode
+from rollq.schemas.failures import ENTRY_TOO_LARGE, Kind, classify
+from rollq.schemas.keys import ADMITTED_FIELD, counters_key, state_key, stream_key
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer

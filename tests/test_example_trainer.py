@@ -27,7 +27,7 @@ TRAINER = ROOT / "examples" / "grpo_trainer.py"
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model"))
 

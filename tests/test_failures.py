@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import (
+from rollq.schemas import (
     BrokerUnavailable,
     ContractError,
     DecodeError,
@@ -12,7 +12,7 @@ from schemas import (
     RewardError,
     UnknownVersionError,
 )
-from schemas import failures as f
+from rollq.schemas import failures as f
 
 
 class ComponentFailed(RewardError):
@@ -74,5 +74,5 @@ def test_backoff_is_bounded() -> None:
 
 
 def test_detail_is_one_bounded_line() -> None:
-    detail = f.describe(ValueError("a\nb" + "x" * 5000))
+    detail = f.error_line(ValueError("a\nb" + "x" * 5000))
     assert "\n" not in detail and len(detail) <= 2000

@@ -14,14 +14,14 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 import yaml
 
-from consumers.trainer import SyncTrainerClient
-from ops.cli import build_parser, main
-from ops.commands import default_vllm_python
-from ops.status import collect_status
-from producers.order import item_index, record_seed
-from producers.publisher import Publisher
-from schemas import ConfigError
-from schemas.keys import ADMITTED_FIELD, CONSUMED_COUNTER, counters_key, state_key, stream_key
+from rollq.consumers.trainer import SyncTrainerClient
+from rollq.ops.cli import build_parser, main
+from rollq.ops.cli.local import default_vllm_python
+from rollq.ops.status import collect_status
+from rollq.producers.order import item_index, record_seed
+from rollq.producers.publisher import Publisher
+from rollq.schemas import ConfigError
+from rollq.schemas.keys import ADMITTED_FIELD, CONSUMED_COUNTER, counters_key, state_key, stream_key
 from tests.factories import make_group
 from tests.producers.test_job_failures import FlakyEnv, run_positions
 from tests.redis_server import RedisServer
@@ -97,7 +97,7 @@ def test_score_burst_prints_what_it_scored(redis_server: RedisServer, tmp_path: 
 async def test_feed_says_one_line_when_stopped(real_redis: aioredis.Redis,
                                                redis_server: RedisServer) -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "feed", "--env", "sums", "--run", "fed",
+        sys.executable, "-m", "rollq", "feed", "--env", "sums", "--run", "fed",
         "--redis-url", redis_server.url, "--log-format", "json",
         stderr=asyncio.subprocess.PIPE, cwd=ROOT)
     assert process.stderr is not None
@@ -145,7 +145,7 @@ def test_serve_trainer_metrics_takes_the_sync_client() -> None:
     pytest.importorskip("prometheus_client")
     import httpx
 
-    from ops.role_metrics import serve_trainer_metrics
+    from rollq.ops.role_metrics import serve_trainer_metrics
 
     client = SyncTrainerClient("redis://127.0.0.1:1/0", run="m", consumer="rank0")
     metrics, port = serve_trainer_metrics(client, 0, host="127.0.0.1")

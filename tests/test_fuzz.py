@@ -23,13 +23,13 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from consumers.bus import ReaderSettings, StreamReader
-from consumers.scorer import RewardBridge, RewardConfig
-from consumers.scorer.consumer import Scorer
-from consumers.stage import Stage
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from schemas import Completion, TrajectoryGroup, decode_dead, encode
-from schemas.keys import PARTITIONS_FIELD, state_key, stream_key
+from rollq.consumers.bus import ReaderSettings, StreamReader
+from rollq.consumers.scorer import RewardBridge, RewardConfig
+from rollq.consumers.scorer.consumer import Scorer
+from rollq.consumers.stage import Stage
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.schemas import Completion, TrajectoryGroup, decode_dead, encode
+from rollq.schemas.keys import PARTITIONS_FIELD, state_key, stream_key
 from tests.factories import score
 
 MALFORMED_ENTRIES = 10_500

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ops import cli
-from schemas import heap
+from rollq.ops import cli
+from rollq.schemas import heap
 
 
 class _Node:

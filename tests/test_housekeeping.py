@@ -8,8 +8,8 @@ import time
 
 import redis.asyncio as aioredis
 
-from consumers.bus import StreamReader
-from consumers.housekeeping import forget_idle_consumers, trim_dead
+from rollq.consumers.bus import StreamReader
+from rollq.consumers.housekeeping import forget_idle_consumers, trim_dead
 
 STREAM = "rollq:{hk:0}:traj"
 

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import StreamReader, trim_streams
-from consumers.bus.entries import id_order, is_entry_id
-from ops.dead import letters, requeue
-from schemas import decode_dead
-from schemas.failures import TRAJECTORY_MISSING
-from schemas.keys import counters_key, stream_key
+from rollq.consumers.bus import StreamReader, trim_streams
+from rollq.consumers.bus.entries import id_order, is_entry_id
+from rollq.ops.dead import letters, requeue
+from rollq.schemas import decode_dead
+from rollq.schemas.failures import TRAJECTORY_MISSING
+from rollq.schemas.keys import counters_key, stream_key
 
 RUN = "ids"
 TRAJ, SCORED, DEAD = (stream_key(RUN, 0, name) for name in ("traj", "scored", "dead"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from producers.publisher import Publisher
+from rollq.producers.publisher import Publisher
 from tests.factories import make_group
 from tests.redis_server import RedisServer
 
@@ -21,7 +21,7 @@ RUN = "jsonlogs"
 
 async def run_role(argv: list[str], env: dict[str, str]) -> tuple[int, bytes, bytes]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", *argv, env=env, stdout=asyncio.subprocess.PIPE,
+        sys.executable, "-m", "rollq", *argv, env=env, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(process.communicate(), 90)
     assert process.returncode is not None

@@ -7,7 +7,7 @@ import time
 
 from structlog.testing import capture_logs
 
-from ops.looplag import LoopLagMonitor
+from rollq.ops.looplag import LoopLagMonitor
 
 
 async def test_a_blocking_call_shows_up_as_lag() -> None:

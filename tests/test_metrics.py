@@ -22,20 +22,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from bench.workers import REPO_ROOT, FakeServerProcess
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from ops.atropos.app import create_app as create_atropos_app
-from ops.cli import main
-from ops.gateway.app import create_app as create_gateway_app
-from ops.gateway.settings import GatewaySettings
-from ops.health import parse_health
-from ops.metrics import RoleMetrics
-from ops.role_metrics import serve_trainer_metrics
-from ops.roles import run_scorer
-from ops.settings import AtroposApiSettings, ScorerSettings
-from ops.stack import free_port
-from producers.publisher import Publisher
-from schemas import decode_trajectory
-from schemas.keys import stream_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.ops.atropos.app import create_app as create_atropos_app
+from rollq.ops.cli import main
+from rollq.ops.gateway.app import create_app as create_gateway_app
+from rollq.ops.gateway.settings import GatewaySettings
+from rollq.ops.health import parse_health
+from rollq.ops.local.stack import free_port
+from rollq.ops.metrics import RoleMetrics
+from rollq.ops.role_metrics import serve_trainer_metrics
+from rollq.ops.roles import run_scorer
+from rollq.ops.settings import AtroposApiSettings, ScorerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import decode_trajectory
+from rollq.schemas.keys import stream_key
 from tests.atropos.helpers import REGISTRATION, atropos_group, env_registration
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
@@ -206,7 +206,7 @@ async def test_every_role_serves_metrics_that_count_what_happened(
                         "--max-tokens", "8", "--concurrency", "2"],
             "scorer": ["score", "--reward-config", str(config), "--processes", "1"]}
     processes = {role: await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", *argv[role], "--metrics-port", str(ports[role]),
+        sys.executable, "-m", "rollq", *argv[role], "--metrics-port", str(ports[role]),
         env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         for role in ports}
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from schemas import BrokerUnavailable
-from schemas.outage import OutageRider, StoppedDuringOutage
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.outage import OutageRider, StoppedDuringOutage
 
 
 class Flaky:

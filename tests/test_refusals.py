@@ -11,10 +11,10 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from ops.connections import open_redis
-from ops.invocation import Exit
-from ops.settings import CommonSettings
-from schemas.errors import AccessRefused, access_refused, translated_errors
+from rollq.ops.cli.common import Exit
+from rollq.ops.connections import open_redis
+from rollq.ops.settings import CommonSettings
+from rollq.schemas.errors import AccessRefused, access_refused, translated_errors
 from tests.outages.roles import RoleProcess
 
 RUN = "acl"
@@ -89,11 +89,11 @@ async def test_workers_whose_publish_is_refused_stop_with_78_and_keep_the_job(
         make_redis_server: type) -> None:
     """A job whose XADD is refused is neither retried into a dead letter nor lost: it goes
     back to the queue and the pool stops with the configuration error."""
-    from ops.roles import run_workers
-    from ops.settings import WorkerSettings
-    from producers.publisher import Publisher
-    from producers.worker import connect_queue, enqueue_rollout, queue_name
-    from schemas.keys import stream_key
+    from rollq.ops.roles import run_workers
+    from rollq.ops.settings import WorkerSettings
+    from rollq.producers.publisher import Publisher
+    from rollq.producers.worker import connect_queue, enqueue_rollout, queue_name
+    from rollq.schemas.keys import stream_key
     from tests.producers.fake_vllm import FakeVLLM, fake_transport
 
     server = make_redis_server().start()

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import join_trajectories
-from ops.rescore import RESCORE_GROUP, rescore
-from ops.settings import ScorerSettings
-from producers.publisher import Publisher
-from schemas import decode_dead, decode_scored, decode_trajectory
-from schemas.failures import DECODE_ERROR, REWARD_ERROR
-from schemas.keys import counters_key, stream_key
+from rollq.consumers.bus import join_trajectories
+from rollq.ops.rescore import RESCORE_GROUP, rescore
+from rollq.ops.settings import ScorerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import decode_dead, decode_scored, decode_trajectory
+from rollq.schemas.failures import DECODE_ERROR, REWARD_ERROR
+from rollq.schemas.keys import counters_key, stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
 

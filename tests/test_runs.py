@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from ops.cli import Exit, main
-from ops.runs import run_keys
-from producers.publisher import Publisher
-from producers.worker import connect_queue, enqueue_rollout
-from schemas.keys import stream_key
+from rollq.ops.cli import Exit, main
+from rollq.ops.runs import run_keys
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import connect_queue, enqueue_rollout
+from rollq.schemas.keys import stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ops.cli import build_parser
-from ops.commands import _sampling_options
-from ops.settings import WorkerSettings, load_settings
-from schemas import ConfigError
+from rollq.ops.cli import build_parser
+from rollq.ops.cli.common import key_values
+from rollq.ops.settings import WorkerSettings, load_settings
+from rollq.schemas import ConfigError
 
 
 def parsed(*pairs: str) -> dict[str, object] | None:
@@ -21,7 +21,7 @@ def parsed(*pairs: str) -> dict[str, object] | None:
     for pair in pairs:
         argv += ["--sampling-option", pair]
     args: argparse.Namespace = build_parser().parse_args(argv)
-    return _sampling_options(args)
+    return key_values(args.sampling_options, "--sampling-option") if args.sampling_options else None
 
 
 def test_values_are_json_where_they_parse() -> None:

@@ -13,16 +13,16 @@ import pytest
 import redis.asyncio as aioredis
 import redis.exceptions as redis_exceptions
 
-from consumers.bus import ReaderSettings, StreamReader, join_trajectories
-from consumers.scorer import GroupScore, RewardBridge, RewardConfig, Sample, ScoringError
-from consumers.scorer.consumer import Scorer
-from consumers.stage import Stage
-from ops.cli import Exit, main
-from ops.roles import run_scorer
-from ops.settings import ScorerSettings
-from producers.publisher import Publisher
-from schemas import ScoredGroup, decode_dead, decode_scored
-from schemas.keys import counters_key, stream_key
+from rollq.consumers.bus import ReaderSettings, StreamReader, join_trajectories
+from rollq.consumers.scorer import GroupScore, RewardBridge, RewardConfig, Sample, ScoringError
+from rollq.consumers.scorer.consumer import Scorer
+from rollq.consumers.stage import Stage
+from rollq.ops.cli import Exit, main
+from rollq.ops.roles import run_scorer
+from rollq.ops.settings import ScorerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import ScoredGroup, decode_dead, decode_scored
+from rollq.schemas.keys import counters_key, stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
 from tests.waiting import until
@@ -100,7 +100,7 @@ async def test_killed_scorer_entries_are_reclaimed_and_forwarded_once(
     environment = {**os.environ, "ROLLQ_REDIS_URL": redis_server.url, "ROLLQ_RUN": RUN,
                    "ROLLQ_RECLAIM_IDLE_S": "2", "ROLLQ_LOG_FORMAT": "json"}
     scorer_a = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "score", "--reward-config", str(hanging),
+        sys.executable, "-m", "rollq", "score", "--reward-config", str(hanging),
         "--consumer", "scorer-a", "--concurrency", "16", env=environment,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
 
@@ -221,7 +221,7 @@ async def test_a_trim_redis_refuses_does_not_stop_the_scorer(
         refused.append(1)
         raise redis_exceptions.ResponseError("ERR Invalid stream ID specified as stream")
 
-    monkeypatch.setattr("ops.roles.trim_streams", refusing)
+    monkeypatch.setattr("rollq.ops.roles.trim_streams", refusing)
     stop = asyncio.Event()
     settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, block_ms=20)
     task = asyncio.create_task(run_scorer(settings, stop, trim_every_s=0.05))

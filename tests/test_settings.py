@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.settings import FeederSettings, ScorerSettings, WorkerSettings, load_settings
-from schemas import ConfigError
+from rollq.ops.settings import FeederSettings, ScorerSettings, WorkerSettings, load_settings
+from rollq.schemas import ConfigError
 
 
 def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> None:

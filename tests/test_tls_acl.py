@@ -12,14 +12,14 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from ops.cli import Exit, main
-from ops.connections import open_redis
-from ops.roles import run_feeder, run_scorer, run_workers
-from ops.settings import CommonSettings, FeederSettings, ScorerSettings, WorkerSettings
-from producers.worker import queue_name
-from schemas.errors import AccessRefused
-from schemas.keys import stream_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.ops.cli import Exit, main
+from rollq.ops.connections import open_redis
+from rollq.ops.roles import run_feeder, run_scorer, run_workers
+from rollq.ops.settings import CommonSettings, FeederSettings, ScorerSettings, WorkerSettings
+from rollq.producers.worker import queue_name
+from rollq.schemas.errors import AccessRefused
+from rollq.schemas.keys import stream_key
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_tls import TlsRedis
 

@@ -14,15 +14,15 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from consumers.trainer.waiting import TRAINER_WAITING_FIELD
-from ops.roles import run_feeder, run_scorer, run_workers
-from ops.settings import FeederSettings, ScorerSettings, WorkerSettings
-from ops.watchdog import RunWatchdog
-from producers.publisher import Publisher
-from producers.worker import queue_name
-from schemas import breaker
-from schemas.keys import CONSUMED_COUNTER, counters_key, state_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.consumers.trainer.waiting import TRAINER_WAITING_FIELD
+from rollq.ops.roles import run_feeder, run_scorer, run_workers
+from rollq.ops.settings import FeederSettings, ScorerSettings, WorkerSettings
+from rollq.ops.watchdog import RunWatchdog
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import queue_name
+from rollq.schemas import breaker
+from rollq.schemas.keys import CONSUMED_COUNTER, counters_key, state_key
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer

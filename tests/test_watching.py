@@ -11,9 +11,9 @@ import redis.exceptions as redis_errors
 import structlog
 from structlog.testing import capture_logs
 
-from ops.watching import Watched, probe_command, ride_out
-from schemas import BrokerUnavailable
-from schemas.outage import OutageRider
+from rollq.ops.watching import Watched, probe_command, ride_out
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.outage import OutageRider
 
 
 class Loading:

@@ -12,15 +12,15 @@ Redis errors are translated in these modules: connection problems become
 ``BrokerUnavailable``; the BUSYGROUP/NOGROUP replies are matched in ``reader`` only.
 """
 
-from consumers.bus.entries import (
+from rollq.consumers.bus.entries import (
     Delivery,
     is_cluster,
     is_entry_id,
     run_of_stream,
     translated_errors,
 )
-from consumers.bus.join import join_trajectories
-from consumers.bus.plain import (
+from rollq.consumers.bus.join import join_trajectories
+from rollq.consumers.bus.plain import (
     GroupStats,
     StreamStats,
     append_entries,
@@ -28,9 +28,9 @@ from consumers.bus.plain import (
     read_range,
     stream_stats,
 )
-from consumers.bus.reader import ReaderSettings, StreamReader
-from consumers.bus.settle import EntrySettler
-from consumers.bus.trimming import trim_streams
+from rollq.consumers.bus.reader import ReaderSettings, StreamReader
+from rollq.consumers.bus.settle import EntrySettler
+from rollq.consumers.bus.trimming import trim_streams
 
 __all__ = [
     "Delivery",

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 from redis.asyncio.cluster import RedisCluster
 
-from schemas import Fields
-from schemas.errors import translated_errors
-from schemas.keys import PREFIX
+from rollq.schemas import Fields
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import PREFIX
 
 __all__ = ["Delivery", "as_text", "id_order", "is_cluster", "is_entry_id", "run_of_stream",
            "translated_errors"]

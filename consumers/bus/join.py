@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from consumers.bus.entries import is_entry_id, translated_errors
-from schemas import BrokerUnavailable, DecodeError, Fields, join_trajectory, trajectory_ref
-from schemas.keys import partner_key
+from rollq.consumers.bus.entries import is_entry_id, translated_errors
+from rollq.schemas import BrokerUnavailable, DecodeError, Fields, join_trajectory, trajectory_ref
+from rollq.schemas.keys import partner_key
 
 
 def not_an_entry_id(ref: str) -> str:

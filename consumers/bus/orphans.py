@@ -21,11 +21,11 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus.entries import is_entry_id, translated_errors
-from consumers.bus.join import not_an_entry_id
-from schemas import DeadLetter, encode_dead, trajectory_ref
-from schemas.failures import TRAJECTORY_MISSING
-from schemas.keys import DROP_PREFIX, partner_key
+from rollq.consumers.bus.entries import is_entry_id, translated_errors
+from rollq.consumers.bus.join import not_an_entry_id
+from rollq.schemas import DeadLetter, encode_dead, trajectory_ref
+from rollq.schemas.failures import TRAJECTORY_MISSING
+from rollq.schemas.keys import DROP_PREFIX, partner_key
 
 log = structlog.get_logger("rollq.bus")
 TRIMMER_GROUP = "trimmer"

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from consumers.bus.entries import as_text, is_cluster, translated_errors
-from schemas import Fields
+from rollq.consumers.bus.entries import as_text, is_cluster, translated_errors
+from rollq.schemas import Fields
 
 
 async def follow(

@@ -33,7 +33,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from consumers.bus.entries import (
+from rollq.consumers.bus.entries import (
     Delivery,
     as_text,
     id_order,
@@ -41,11 +41,11 @@ from consumers.bus.entries import (
     run_of_stream,
     translated_errors,
 )
-from consumers.bus.join import join_trajectories
-from consumers.bus.settle import EntrySettler
-from consumers.bus.trimming import trim_streams
-from schemas import DecodeError, Fields
-from schemas.failures import MAX_DELIVERIES, TRAJECTORY_MISSING, classify
+from rollq.consumers.bus.join import join_trajectories
+from rollq.consumers.bus.settle import EntrySettler
+from rollq.consumers.bus.trimming import trim_streams
+from rollq.schemas import DecodeError, Fields
+from rollq.schemas.failures import MAX_DELIVERIES, TRAJECTORY_MISSING, classify
 
 
 @dataclass(frozen=True)

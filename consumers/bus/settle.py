@@ -23,9 +23,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from consumers.bus.entries import Delivery, as_text, is_cluster, translated_errors
-from schemas import DeadLetter, Fields, encode_dead
-from schemas.keys import DROP_PREFIX, partner_key
+from rollq.consumers.bus.entries import Delivery, as_text, is_cluster, translated_errors
+from rollq.schemas import DeadLetter, Fields, encode_dead
+from rollq.schemas.keys import DROP_PREFIX, partner_key
 
 # KEYS[1] source stream, KEYS[2] counters hash; ARGV[1] group, ARGV[2] counter field ('' for
 # none), ARGV[3..] entry ids. Acks them; counts only those this call's XACK acked first.

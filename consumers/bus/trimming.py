@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from consumers.bus.entries import as_text, translated_errors
-from consumers.bus.orphans import dead_letter_orphans
-from schemas.keys import partner_key
+from rollq.consumers.bus.entries import as_text, translated_errors
+from rollq.consumers.bus.orphans import dead_letter_orphans
+from rollq.schemas.keys import partner_key
 
 # KEYS[1] stream; ARGV[1] retention floor id ('' for none). Trims below the oldest entry some
 # consumer group still needs: its oldest pending entry, or the first one it has not read.

@@ -3,22 +3,22 @@
 Pure scoring logic; the stream consumer lives in `consumers.scorer.consumer`.
 """
 
-from consumers.scorer.advantages import (
+from rollq.consumers.scorer.advantages import (
     AdvantageMethod,
     broadcast_advantages,
     compute_advantages,
     compute_process_advantages,
     is_zero_variance,
 )
-from consumers.scorer.bridge import ComponentFlag, GroupScore, RewardBridge
-from consumers.scorer.components import (
+from rollq.consumers.scorer.bridge import ComponentFlag, GroupScore, RewardBridge
+from rollq.consumers.scorer.components import (
     COMPONENTS,
     ComponentSettings,
     RewardComponent,
     Score,
     resolve_component,
 )
-from consumers.scorer.config import (
+from rollq.consumers.scorer.config import (
     PRESETS,
     AdvantageSettings,
     ComponentEntry,
@@ -26,10 +26,10 @@ from consumers.scorer.config import (
     RewardConfig,
     TraceSettings,
 )
-from consumers.scorer.errors import MissingFieldError, RewardConfigError, ScoringError
-from consumers.scorer.pool import WorkerPool
-from consumers.scorer.sample import Sample
-from consumers.scorer.traces import Trace, extract_reasoning
+from rollq.consumers.scorer.errors import MissingFieldError, RewardConfigError, ScoringError
+from rollq.consumers.scorer.pool import WorkerPool
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.scorer.traces import Trace, extract_reasoning
 
 __all__ = [
     "COMPONENTS",

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from schemas import broadcast
+from rollq.schemas import broadcast
 
 AdvantageMethod = Literal["grpo", "dr_grpo", "rloo"]
 

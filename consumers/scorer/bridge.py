@@ -35,18 +35,18 @@ import httpx
 import numpy as np
 from numpy.typing import NDArray
 
-from consumers.scorer.advantages import (
+from rollq.consumers.scorer.advantages import (
     broadcast_advantages,
     compute_advantages,
     compute_process_advantages,
     is_zero_variance,
 )
-from consumers.scorer.components import RewardComponent, Score
-from consumers.scorer.config import ComponentEntry, RewardConfig
-from consumers.scorer.errors import MissingFieldError, ScoringError
-from consumers.scorer.pool import WorkerPool
-from consumers.scorer.sample import Sample
-from consumers.scorer.traces import extract_reasoning
+from rollq.consumers.scorer.components import RewardComponent, Score
+from rollq.consumers.scorer.config import ComponentEntry, RewardConfig
+from rollq.consumers.scorer.errors import MissingFieldError, ScoringError
+from rollq.consumers.scorer.pool import WorkerPool
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.scorer.traces import extract_reasoning
 
 _RETRY_BACKOFF_S = 0.05
 """Pause before a failed component call's first retry (seconds); doubled per retry."""

@@ -34,10 +34,10 @@ from pydantic import (
     model_validator,
 )
 
-from consumers.scorer.advantages import AdvantageMethod
-from consumers.scorer.components import COMPONENTS, RewardComponent, resolve_component
-from consumers.scorer.errors import RewardConfigError
-from consumers.scorer.pool import StartMethod
+from rollq.consumers.scorer.advantages import AdvantageMethod
+from rollq.consumers.scorer.components import COMPONENTS, RewardComponent, resolve_component
+from rollq.consumers.scorer.errors import RewardConfigError
+from rollq.consumers.scorer.pool import StartMethod
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 

@@ -38,22 +38,22 @@ import orjson
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import Delivery, translated_errors
-from consumers.scorer.bridge import GroupScore, RewardBridge
-from consumers.scorer.config import RewardConfig
-from consumers.scorer.errors import ScoringError
-from consumers.scorer.sample import Sample
-from consumers.stage import BatchTransform, Drop, Forward, Outcome
-from schemas import (
+from rollq.consumers.bus import Delivery, translated_errors
+from rollq.consumers.scorer.bridge import GroupScore, RewardBridge
+from rollq.consumers.scorer.config import RewardConfig
+from rollq.consumers.scorer.errors import ScoringError
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.stage import BatchTransform, Drop, Forward, Outcome
+from rollq.schemas import (
     Fields,
     ScoredGroup,
     SequenceScore,
     TrajectoryGroup,
     encode_scores,
 )
-from schemas.columns import TrajectoryColumns
-from schemas.decoding import decode_trajectory_columns
-from schemas.keys import partner_key
+from rollq.schemas.columns import TrajectoryColumns
+from rollq.schemas.decoding import decode_trajectory_columns
+from rollq.schemas.keys import partner_key
 
 log = structlog.get_logger("rollq.scorer")
 
@@ -64,7 +64,7 @@ def config_fingerprint(config: RewardConfig) -> str:
     return hashlib.sha256(document).hexdigest()[:12]
 
 
-def to_scored(group: TrajectoryGroup, score: GroupScore, config_name: str) -> ScoredGroup:
+def scored_group(group: TrajectoryGroup, score: GroupScore, config_name: str) -> ScoredGroup:
     """Combine a trajectory group and its scores into the wire message."""
     assert score.advantages is not None and score.token_advantages is not None
     names = list(score.components)
@@ -131,7 +131,7 @@ class Scorer:
             return score.drop_reason
         log.debug("group_scored", group_id=group.group_id, timings=score.timings,
                   mean_reward=sum(score.rewards) / len(score.rewards))
-        return to_scored(group, score, self.config_name)
+        return scored_group(group, score, self.config_name)
 
     def entry(self, group: TrajectoryGroup | TrajectoryColumns, score: GroupScore,
               trajectory_id: str) -> tuple[Fields, list[str]] | str:

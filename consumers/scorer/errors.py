@@ -12,8 +12,8 @@
 
 from __future__ import annotations
 
-from schemas.errors import ConfigError as _RollqConfigError
-from schemas.errors import RewardError as _RollqRewardError
+from rollq.schemas.errors import ConfigError as _RollqConfigError
+from rollq.schemas.errors import RewardError as _RollqRewardError
 
 
 class RewardConfigError(_RollqConfigError):

@@ -23,7 +23,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal, TypeVar, cast
 
-from consumers.scorer.errors import ScoringError
+from rollq.consumers.scorer.errors import ScoringError
 
 ResultT = TypeVar("ResultT")
 StartMethod = Literal["spawn", "forkserver", "fork"]

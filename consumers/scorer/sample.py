@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from consumers.scorer.traces import Trace
+from rollq.consumers.scorer.traces import Trace
 
 Region = Literal["anywhere", "reasoning", "answer"]
 """Which part of a completion a component reads: all of it, the reasoning, or the answer."""

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from consumers.scorer.errors import RewardConfigError, ScoringError
+from rollq.consumers.scorer.errors import RewardConfigError, ScoringError
 
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 """PATH of the candidate's environment, and where a bare `interpreter` name is looked up."""

@@ -16,17 +16,17 @@ alignment is in ``consumers.trainer.layout``; the resume design in
 ``consumers.trainer.client``.
 """
 
-from consumers.trainer.batch import Batch, BatchData, EntryRef, SyncBatch
-from consumers.trainer.client import TRAINER_GROUP, TrainerClient
-from consumers.trainer.errors import ResumeError, WeightSyncError
-from consumers.trainer.layout import (
+from rollq.consumers.trainer.batch import Batch, BatchData, EntryRef, SyncBatch
+from rollq.consumers.trainer.client import TRAINER_GROUP, TrainerClient
+from rollq.consumers.trainer.errors import ResumeError, WeightSyncError
+from rollq.consumers.trainer.layout import (
     PackedBatch,
     PaddedArrays,
     Targets,
     pack_groups,
     pad_groups,
 )
-from consumers.trainer.ranks import (
+from rollq.consumers.trainer.ranks import (
     DataParallelSteps,
     RankShard,
     RankTransport,
@@ -35,11 +35,11 @@ from consumers.trainer.ranks import (
     init_ranks,
     plan_shards,
 )
-from consumers.trainer.settings import PauseMode, TrainerClientSettings
-from consumers.trainer.sizing import BatchSize
-from consumers.trainer.staleness import is_stale
-from consumers.trainer.sync import SyncTrainerClient
-from consumers.trainer.weights import PolicyPublisher
+from rollq.consumers.trainer.settings import PauseMode, TrainerClientSettings
+from rollq.consumers.trainer.sizing import BatchSize
+from rollq.consumers.trainer.staleness import is_stale
+from rollq.consumers.trainer.sync import SyncTrainerClient
+from rollq.consumers.trainer.weights import PolicyPublisher
 
 __all__ = [
     "TRAINER_GROUP",

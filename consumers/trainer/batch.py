@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
-from consumers.trainer.layout import (
+from rollq.consumers.trainer.layout import (
     Group,
     PackedBatch,
     PaddedArrays,
@@ -20,7 +20,7 @@ from consumers.trainer.layout import (
     pack_groups,
     pad_groups,
 )
-from schemas import ScoredGroup
+from rollq.schemas import ScoredGroup
 
 
 @dataclass(frozen=True)

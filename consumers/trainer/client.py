@@ -5,26 +5,8 @@ group ``trainer``. On its first ``next_batch`` it takes back its own pending ent
 consumer name after a restart), then reclaims entries other trainers left idle longer than
 ``reclaim_idle_ms``, then reads new ones. Entries stay pending until ``batch.ack()``.
 
-What happens to an entry before it reaches a batch (no entry can stop the client: whatever
-it cannot handle for one entry is dead-lettered, with the reason ``schemas.failures``
-gives, and the client goes on):
-
-- delivered more than ``max_deliveries`` times (it was handed out and never acked that
-  often, e.g. it crashed the trainer each time): dead-lettered as ``max_deliveries`` by
-  the reader, on re-reads of the client's own pending entries as on reclaims;
-- its ``run`` is not this client's run, or its trajectory's traj entry is gone or cannot
-  be looked up: dead-lettered by the reader (``decode_error``, ``trajectory_missing``);
-- it does not decode, or holds a value the contract forbids (``schemas.codec`` checks
-  values, and token ids against ``vocab_size`` when set): dead-lettered with the reason
-  (``decode_error``, ``unknown_version_error``; ``unexpected_error`` for a bug) and
-  counted (``drop:<reason>``);
-- it decodes but cannot be laid out into a batch (the batch build fails and that group
-  alone fails too): dead-lettered the same way, and the batch is built without it;
-- its ``group_id`` is already in the client's hands or recorded as trained (a re-run of
-  a rollout job republished it): acked and counted ``drop:duplicate``; if the recorded
-  entry is this very entry (the crash fell between recording and acking), the ack is
-  completed and counted ``consumed``;
-- stale at batch time (``is_stale``): acked and counted ``drop:stale``.
+What happens to an entry before it reaches a batch (nothing an entry holds can stop the
+client): ``consumers.trainer.intake``.
 
 Prefetch (``prefetch=True``, the default): once ``next_batch`` returns a batch, the next
 one (same sizes) is read, checked, decoded and laid out while the caller trains; its
@@ -32,25 +14,7 @@ groups stay queued, pending and unacked until it is handed out, staleness is jud
 hand-out, and what the preparation meets is what the next call would have met. The rules
 are in ``consumers.trainer.prefetch``.
 
-Resume design (checkpoint/resume neither skips nor repeats a group):
-
-- ``batch.ack()`` first records the batch in the run's seen-hash and in this consumer's
-  *trained log* (a Redis stream, one entry per batch listing its ``group_id, stream,
-  entry_id`` triples, in ack order; one MULTI), then acks with
-  ``ack_counted(..., "consumed")``.
-- ``state()`` (take it after the ``ack`` of the last step in the checkpoint) is the id of
-  the last log entry plus the groups still to be replayed from an earlier resume. Batches
-  handed out but not acked are not in it, nor a prefetched batch not yet handed out: they
-  are not trained, and stay pending (replays stay listed to be replayed).
-- ``load_state(state)`` re-delivers, before anything else, every group the state's log
-  holds after that id: groups acked after the checkpoint whose training was lost with the
-  crash. Their entries are fetched from the scored streams by id (and joined with their
-  traj entries), so the streams must keep acked entries at least one checkpoint interval
-  (``retention`` when trimming);
-  a trimmed entry raises ResumeError instead of silently skipping. Unacked batches come
-  back through the pending list (own pending, or reclaim under another consumer name).
-- Replayed groups are not recorded twice and are never stale-checked (they were admitted
-  once); acking them counts ``consumed`` only for an entry still pending.
+Resume (checkpoint/resume neither skips nor repeats a group): ``consumers.trainer.resume``.
 """
 
 from __future__ import annotations
@@ -59,7 +23,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -67,31 +30,29 @@ import httpx
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import Delivery, StreamReader, is_entry_id, run_of_stream
-from consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
-from consumers.trainer.errors import ResumeError
-from consumers.trainer.holdings import Held, Holdings
-from consumers.trainer.layout import pad_groups
-from consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
-from consumers.trainer.prefetch import PREFETCH_POLL_S, Prefetch, Prefetcher, PreparedBatch
-from consumers.trainer.settings import TrainerClientSettings
-from consumers.trainer.sizing import BatchSize
-from consumers.trainer.staleness import is_stale
-from consumers.trainer.stats import TrainerStats
-from consumers.trainer.waiting import WaitReporter
-from consumers.trainer.weights import PolicyPublisher, SyncReport
-from schemas import BrokerUnavailable, DecodeError
-from schemas.columns import ScoredColumns
-from schemas.decoding import decode_scored_columns
-from schemas.failures import decide
-from schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
-from schemas.outage import OutageRider
+from rollq.consumers.bus import Delivery, StreamReader
+from rollq.consumers.trainer.batch import Batch, BatchData, EntryRef, build_batch
+from rollq.consumers.trainer.errors import ResumeError
+from rollq.consumers.trainer.holdings import HeldGroup, Holdings
+from rollq.consumers.trainer.intake import admit, drop_stale, reject
+from rollq.consumers.trainer.layout import pad_groups
+from rollq.consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
+from rollq.consumers.trainer.prefetch import PREFETCH_POLL_S, Prefetch, Prefetcher, PreparedBatch
+from rollq.consumers.trainer.resume import STATE_FORMAT, groups_to_replay
+from rollq.consumers.trainer.settings import TrainerClientSettings
+from rollq.consumers.trainer.sizing import BatchSize
+from rollq.consumers.trainer.staleness import is_stale
+from rollq.consumers.trainer.stats import TrainerStats
+from rollq.consumers.trainer.waiting import WaitReporter
+from rollq.consumers.trainer.weights import PolicyPublisher, SyncReport
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
+from rollq.schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.trainer")
 
 TRAINER_GROUP = "trainer"
 """Consumer group of trainers on the scored streams."""
-STATE_FORMAT = 1
 
 
 class TrainerClient:
@@ -302,7 +263,7 @@ class TrainerClient:
                 wanted = min(wanted, size.groups - count)
             await self._fill(remaining, wanted, None if prefetch is None else prefetch.idle)
 
-    async def _build(self, chosen: list[Held]) -> Batch | None:
+    async def _build(self, chosen: list[HeldGroup]) -> Batch | None:
         """The batch of ``chosen`` (the first queued groups); None when some of them cannot
         be laid out: those are dead-lettered, the others stay queued."""
         try:
@@ -319,9 +280,9 @@ class TrainerClient:
             await self._reject(held.delivery, exc, refetch=True)
         return None
 
-    def _unbuildable(self, chosen: list[Held]) -> dict[Held, Exception]:
+    def _unbuildable(self, chosen: list[HeldGroup]) -> dict[HeldGroup, Exception]:
         """The groups of a batch that fail to lay out on their own, with their errors."""
-        failed: dict[Held, Exception] = {}
+        failed: dict[HeldGroup, Exception] = {}
         for held in chosen:
             try:
                 pad_groups([held.group], self.settings.pad_token_id)
@@ -399,48 +360,13 @@ class TrainerClient:
     async def _load_state(self, state: dict[str, Any]) -> int:
         if self._started or self._books.held or self._prefetcher.current is not None:
             raise ResumeError("load_state must be called before the first next_batch")
-        try:
-            if state["format"] != STATE_FORMAT or state["run"] != self.run:
-                raise ResumeError(f"state is for run {state['run']!r} (format "
-                                  f"{state['format']}), this client is {self.run!r}")
-            consumer, log_id = str(state["consumer"]), str(state["log_id"])
-            pending = [TrainedEntry(str(g), str(s), str(i)) for s, i, g in state["replay"]]
-            version = state["policy_version"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ResumeError(f"malformed trainer state: {exc!r}") from exc
-        entries = pending + await self._ledger.log_since(check_consumer_name(consumer), log_id)
-        foreign = [e for e in entries
-                   if run_of_stream(e.stream) != self.run or not is_entry_id(e.entry_id)]
-        if foreign:  # a damaged checkpoint: Redis would answer the lookup with an error
-            raise ResumeError(f"{len(foreign)} groups to replay are not entries of run "
-                              f"{self.run!r}'s streams (first: {foreign[0].stream[:80]!r} "
-                              f"{foreign[0].entry_id[:40]!r})")
-        unique: list[TrainedEntry] = []
-        listed: set[str] = set()
-        for entry in entries:  # a group listed twice (a retried ack) is replayed once
-            if entry.group_id not in listed:
-                listed.add(entry.group_id)
-                unique.append(entry)
-        fetched = await self._ledger.fetch(unique)
-        missing = [(e, f) for e, f in zip(unique, fetched, strict=True) if isinstance(f, str)]
-        if missing:
-            first, why = missing[0]
-            where = "traj" if why else "scored"  # "": the scored entry itself is gone
-            raise ResumeError(
-                f"{len(missing)} of {len(unique)} groups to replay were trimmed from the {where} "
-                f"streams (first: {first.stream} {first.entry_id}{': ' + why if why else ''}); "
-                "keep the trim retention longer than the checkpoint interval")
-        for entry, fields in zip(unique, fetched, strict=True):
-            assert not isinstance(fields, str)
-            try:
-                group = decode_scored_columns(fields)
-            except DecodeError as exc:
-                raise ResumeError(f"entry {entry.entry_id} to replay: {exc}") from exc
-            self._books.hold(Held(Delivery(entry.stream, entry.entry_id, {}), group,
-                                  replay=True))
-        self._version = None if version is None else int(version)
-        log.info("trainer_resumed", run=self.run, replay=len(unique), log_id=log_id)
-        return len(unique)
+        held, version = await groups_to_replay(self._ledger, self.run, state)
+        for group in held:
+            self._books.hold(group)
+        self._version = version
+        log.info("trainer_resumed", run=self.run, replay=len(held),
+                 log_id=str(state["log_id"]))
+        return len(held)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -528,62 +454,13 @@ class TrainerClient:
                 await asyncio.wait_for(idle.wait(), min(pause, PREFETCH_POLL_S))
 
     async def _admit(self, deliveries: list[Delivery]) -> None:
-        """Decode, dedup and queue deliveries."""
-        candidates: list[tuple[Delivery, ScoredColumns]] = []
-        for d in deliveries:
-            if (d.stream, d.entry_id) in self._books.held:
-                continue  # already ours (queued, replaying, or in an unacked batch)
-            try:
-                candidates.append((d, decode_scored_columns(
-                    d.fields, run=self.run, vocab_size=self.settings.vocab_size)))
-            except Exception as exc:  # DecodeError, or a bug: either way this entry's
-                await self._reject(d, exc)
-        recorded = await self._ledger.seen(
-            [g.group_id for _, g in candidates if g.group_id not in self._books.seen])
-        duplicates: list[Delivery] = []
-        unfinished: list[Delivery] = []
-        for d, group in candidates:
-            ref = f"{d.stream} {d.entry_id}"
-            trained = self._books.seen.get(group.group_id) or recorded.get(group.group_id)
-            if trained == ref:
-                unfinished.append(d)
-            elif trained is not None or self._books.holds_group(group.group_id):
-                duplicates.append(d)
-            else:  # keep the decoded columns (they view the entry's bytes)
-                self._books.hold(Held(replace(d, fields={}), group, replay=False))
-        if duplicates:
-            await self.reader.drop(duplicates, "duplicate")
-            log.info("groups_dropped", run=self.run, reason="duplicate", count=len(duplicates))
-        if unfinished:
-            await self.reader.ack_counted(unfinished, CONSUMED_COUNTER)
+        await admit(deliveries, self.reader, self._ledger, self._books, self.settings, self.run)
 
     async def _drop_stale(self, version: int) -> None:
-        stale = self._books.take_stale(version, self.settings.max_staleness)
-        if not stale:
-            return
-        await self.reader.drop([h.delivery for h in stale], "stale")
-        log.info("groups_dropped", run=self.run, reason="stale", count=len(stale),
-                 policy_version=version)
+        await drop_stale(version, self.reader, self._books, self.settings, self.run)
 
     async def _reject(self, delivery: Delivery, exc: Exception, *, refetch: bool = False) -> None:
-        """Settle an entry this client cannot use, by ``schemas.failures.decide``: dead-letter
-        it with the reason (contract errors and bugs at once), or leave it pending for a
-        later delivery (a transient failure while deliveries remain). ``refetch``: the
-        delivery no longer holds its fields (a decoded group keeps none): the letter
-        carries the entry as stored."""
-        verdict = decide(exc, attempt=delivery.deliveries,
-                         max_attempts=self.settings.max_deliveries, retry_unexpected=False)
-        if verdict.retry:
-            log.warning("entry_left_pending", stream=delivery.stream,
-                        entry_id=delivery.entry_id, reason=verdict.reason,
-                        detail=verdict.detail, deliveries=delivery.deliveries)
-            return
-        if refetch:
-            delivery = replace(delivery, fields=await self.reader.fetch(
-                delivery.stream, delivery.entry_id) or {})
-        lettered = await self.reader.dead_letter(delivery, verdict.reason, verdict.detail)
-        log.warning("entry_dead_lettered", stream=delivery.stream, entry_id=delivery.entry_id,
-                    reason=verdict.reason, detail=verdict.detail, lettered=lettered)
+        await reject(delivery, exc, self.reader, self.settings, refetch=refetch)
 
 
 def _left(deadline: float | None) -> float | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from schemas import RollqError
+from rollq.schemas import RollqError
 
 
 class WeightSyncError(RollqError):

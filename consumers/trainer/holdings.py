@@ -27,9 +27,9 @@ from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from consumers.bus import Delivery
-from consumers.trainer.staleness import is_stale
-from schemas.columns import ScoredColumns
+from rollq.consumers.bus import Delivery
+from rollq.consumers.trainer.staleness import is_stale
+from rollq.schemas.columns import ScoredColumns
 
 SEEN_CACHE = 10_000
 """Recent acks remembered in memory (a fast path: the seen-set in Redis is the truth); small
@@ -40,7 +40,7 @@ Ref = tuple[str, str]
 
 
 @dataclass(eq=False)
-class Held:
+class HeldGroup:
     """A decoded group in the client's hands, with the delivery it came from (its fields
     dropped: the decoded columns are kept, which view the entry's bytes)."""
 
@@ -58,8 +58,8 @@ class Holdings:
     """The client's books of held groups (module docstring)."""
 
     def __init__(self, seen_cache: int = SEEN_CACHE) -> None:
-        self.queue: deque[Held] = deque()
-        self.held: dict[Ref, Held] = {}
+        self.queue: deque[HeldGroup] = deque()
+        self.held: dict[Ref, HeldGroup] = {}
         self.replays: dict[Ref, str] = {}
         self.seen: dict[str, str] = {}
         """group id -> ``"stream entry_id"`` of its trained entry, recent acks only."""
@@ -69,7 +69,7 @@ class Holdings:
     def holds_group(self, group_id: str) -> bool:
         return group_id in self._groups
 
-    def hold(self, held: Held) -> None:
+    def hold(self, held: HeldGroup) -> None:
         """Queue ``held`` (at the back) and enter it in the books; a replay is listed too."""
         self.queue.append(held)
         self.held[held.ref] = held
@@ -77,40 +77,40 @@ class Holdings:
         if held.replay:
             self.replays[held.ref] = held.group.group_id
 
-    def peek(self, count: int) -> list[Held]:
+    def peek(self, count: int) -> list[HeldGroup]:
         """The first ``count`` queued groups, left in the queue."""
         return list(itertools.islice(self.queue, count))
 
-    def leads_with(self, held: Sequence[Held]) -> bool:
+    def leads_with(self, held: Sequence[HeldGroup]) -> bool:
         """Whether the queue starts with exactly ``held``, in that order."""
         return len(self.queue) >= len(held) and all(
             a is b for a, b in zip(self.queue, held, strict=False))
 
-    def take(self, count: int) -> list[Held]:
+    def take(self, count: int) -> list[HeldGroup]:
         """The first ``count`` queued groups, out of the queue (still held)."""
         return [self.queue.popleft() for _ in range(count)]
 
-    def remove(self, held: Collection[Held]) -> None:
+    def remove(self, held: Collection[HeldGroup]) -> None:
         """Take ``held`` out of the queue and out of the books (dropped or dead-lettered)."""
         if held:
             self.queue = deque(h for h in self.queue if h not in held)
             for item in held:
                 self.release(item)
 
-    def release(self, held: Held) -> None:
+    def release(self, held: HeldGroup) -> None:
         """Out of the books: its batch was acked, or it was dropped or dead-lettered."""
         self.held.pop(held.ref, None)
         self.replays.pop(held.ref, None)
         if self._groups.get(held.group.group_id) == held.ref:
             del self._groups[held.group.group_id]
 
-    def remember(self, held: Held) -> None:
+    def remember(self, held: HeldGroup) -> None:
         """Note ``held`` as trained (after its ack), forgetting the oldest beyond the cache."""
         self.seen[held.group.group_id] = f"{held.ref[0]} {held.ref[1]}"
         if len(self.seen) > self._seen_cache:
             del self.seen[next(iter(self.seen))]
 
-    def take_stale(self, version: int, max_staleness: int | None) -> list[Held]:
+    def take_stale(self, version: int, max_staleness: int | None) -> list[HeldGroup]:
         """Take out of the queue and the books the queued groups stale at ``version``
         (replays never are: they were admitted once)."""
         stale = [h for h in self.queue if not h.replay and is_stale(

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from schemas import ScoredGroup
-from schemas.columns import ScoredColumns
+from rollq.schemas import ScoredGroup
+from rollq.schemas.columns import ScoredColumns
 
 Int64Array = npt.NDArray[np.int64]
 Int32Array = npt.NDArray[np.int32]

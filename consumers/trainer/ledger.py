@@ -33,15 +33,15 @@ from dataclasses import dataclass
 import orjson
 import redis.asyncio as aioredis
 
-from consumers.bus import join_trajectories, translated_errors
-from consumers.trainer.errors import ResumeError
-from schemas import Fields
-from schemas.keys import (
+from rollq.consumers.bus import join_trajectories, translated_errors
+from rollq.consumers.trainer.errors import ResumeError
+from rollq.schemas import Fields
+from rollq.schemas.keys import (
     POLICY_VERSION_FIELD,
     run_key,
     state_key,
 )
-from schemas.runs import Registration, register_run
+from rollq.schemas.runs import RunRecord, register_run
 
 SEEN_BUCKETS = 12
 """The dedup window is kept in this many time buckets (one hash each)."""
@@ -117,7 +117,7 @@ class Ledger:
     def log_key(self, consumer: str | None = None) -> str:
         return run_key(self.run, f"trainer:log:{consumer or self.consumer}")
 
-    async def register(self, partitions: int) -> Registration:
+    async def register(self, partitions: int) -> RunRecord:
         """Record the run if new (first writer wins): its partition count, and whether
         this call created it."""
         return await register_run(self.redis, self.run, partitions)

@@ -43,10 +43,10 @@ from typing import Any
 
 import structlog
 
-from consumers.trainer.batch import Batch
-from consumers.trainer.holdings import Held
-from consumers.trainer.sizing import BatchSize
-from schemas import BrokerUnavailable
+from rollq.consumers.trainer.batch import Batch
+from rollq.consumers.trainer.holdings import HeldGroup
+from rollq.consumers.trainer.sizing import BatchSize
+from rollq.schemas import BrokerUnavailable
 
 log = structlog.get_logger("rollq.trainer")
 
@@ -61,7 +61,7 @@ class PreparedBatch:
     it is handed out."""
 
     batch: Batch
-    held: tuple[Held, ...]
+    held: tuple[HeldGroup, ...]
     version: int
     """The policy version its groups were checked against."""
 

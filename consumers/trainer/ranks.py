@@ -50,9 +50,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from consumers.trainer.batch import SyncBatch
-from consumers.trainer.layout import PackedBatch
-from consumers.trainer.sync import SyncTrainerClient
+from rollq.consumers.trainer.batch import SyncBatch
+from rollq.consumers.trainer.layout import PackedBatch
+from rollq.consumers.trainer.sync import SyncTrainerClient
 
 
 @dataclass(frozen=True)

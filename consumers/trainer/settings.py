@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from consumers.bus import ReaderSettings
-from schemas.tls import RedisTls
+from rollq.consumers.bus import ReaderSettings
+from rollq.schemas.tls import RedisTls
 
 PauseMode = Literal["keep", "wait", "abort"]
 WeightSyncMethod = Literal["reload", "transfer", "external"]

@@ -11,11 +11,11 @@ import time
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
-from schemas.columns import ScoredColumns
-from schemas.stats import VERSION_BOUNDS, Histogram
+from rollq.schemas.columns import ScoredColumns
+from rollq.schemas.stats import VERSION_BOUNDS, Histogram
 
 if TYPE_CHECKING:
-    from consumers.trainer.weights import SyncReport
+    from rollq.consumers.trainer.weights import SyncReport
 
 SYNC_METHODS = ("reload", "transfer", "external")
 

@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 import httpx
 import redis.asyncio as aioredis
 
-from consumers.trainer.batch import BatchData, SyncBatch
-from consumers.trainer.client import TrainerClient
-from consumers.trainer.settings import TrainerClientSettings
+from rollq.consumers.trainer.batch import BatchData, SyncBatch
+from rollq.consumers.trainer.client import TrainerClient
+from rollq.consumers.trainer.settings import TrainerClientSettings
 
 T = TypeVar("T")
 CANCEL_WAIT_S = 10.0

@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 import structlog
 
-from schemas import BrokerUnavailable, breaker
-from schemas.errors import translated_errors
-from schemas.keys import state_key
+from rollq.schemas import BrokerUnavailable, breaker
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import state_key
 
 log = structlog.get_logger("rollq.trainer")
 

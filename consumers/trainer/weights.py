@@ -53,9 +53,9 @@ from typing import Any
 
 import httpx
 
-from consumers.trainer.errors import WeightSyncError
-from consumers.trainer.settings import PauseMode, WeightSyncMethod
-from consumers.trainer.transfer import (
+from rollq.consumers.trainer.errors import WeightSyncError
+from rollq.consumers.trainer.settings import PauseMode, WeightSyncMethod
+from rollq.consumers.trainer.transfer import (
     BACKEND_TCP,
     ServerFanout,
     ServersFailed,

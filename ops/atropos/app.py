@@ -46,29 +46,29 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ops.atropos.convert import mismatched_fields
-from ops.atropos.inference import add_inference_routes, inference_upstream
-from ops.atropos.models import (
+from rollq.ops.atropos.convert import mismatched_fields
+from rollq.ops.atropos.inference import add_inference_routes, inference_upstream
+from rollq.ops.atropos.models import (
     EnvIdentifier,
     EnvRegistered,
     EnvStatus,
     RegisterEnv,
-    Registration,
     ScoredData,
     ServerInfo,
     Status,
+    TrainerRegistration,
 )
-from ops.atropos.outage import outage_riding_route, ride_out
-from ops.atropos.pieces import compress, gzip_chunks, raw_chunks, raw_length
-from ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
-from ops.connections import open_redis, redis_options
-from ops.role_metrics import add_metrics_route
-from ops.settings import AtroposApiSettings
-from schemas import ContractError, TransientError
-from schemas.failures import classify
+from rollq.ops.atropos.outage import outage_riding_route, ride_out
+from rollq.ops.atropos.pieces import compress, gzip_chunks, raw_chunks, raw_length
+from rollq.ops.atropos.store import AtroposStore, NotRegistered, UnknownEnv
+from rollq.ops.connections import open_redis, redis_options
+from rollq.ops.role_metrics import add_metrics_route
+from rollq.ops.settings import AtroposApiSettings
+from rollq.schemas import ContractError, TransientError
+from rollq.schemas.failures import classify
 
 if TYPE_CHECKING:
-    from ops.metrics import RoleMetrics
+    from rollq.ops.metrics import RoleMetrics
 
 log = structlog.get_logger("rollq.atropos")
 
@@ -213,7 +213,7 @@ OUTCOMES = ("rejected", "fields_set_aside", "batch_redelivered")
 
 
 def _metrics(settings: AtroposApiSettings, events: Counter[str]) -> RoleMetrics:
-    from ops.metrics import RoleMetrics
+    from rollq.ops.metrics import RoleMetrics
 
     metrics = RoleMetrics("atropos-api", run=settings.run, redis_url=settings.redis_url,
                           redis_options=redis_options(settings))
@@ -299,7 +299,7 @@ def create_app(settings: AtroposApiSettings, *, redis: aioredis.Redis | None = N
         return {"message": "AtroposLib API"}
 
     @app.post("/register")
-    async def register(registration: Registration, request: Request) -> JsonResponse:
+    async def register(registration: TrainerRegistration, request: Request) -> JsonResponse:
         requester = await store_of(request).register_trainer(registration.model_dump())
         return JsonResponse({"uuid": requester})
 

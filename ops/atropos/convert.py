@@ -3,7 +3,7 @@
 Atropos -> rollq (``to_trajectory``): ``producers.envs.atropos_groups`` (the one mapping,
 shared with Atropos envs run as rollq envs; ``docs/guides/atropos.md``).
 
-- advantages (``to_scored``): the posted per-token ``advantages`` after the prompt, the
+- advantages (``scored_from_atropos``): the posted per-token ``advantages`` after the prompt, the
   sequence advantage their mean over trained tokens; without them GRPO over the scores.
 - per-token float fields whose rows are not one value a token (``advantages`` longer
   than its tokens, as atroposlib accepts them): ``set_aside``, kept verbatim for ``/batch``
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from consumers.scorer.advantages import compute_advantages
-from ops.atropos.models import SCORED_DATA_FIELDS, ScoredData
-from producers.envs.atropos_groups import (
+from rollq.consumers.scorer.advantages import compute_advantages
+from rollq.ops.atropos.models import SCORED_DATA_FIELDS, ScoredData
+from rollq.producers.envs.atropos_groups import (
     ENV_SCORE,
     MASKED,
     MASKED_LOGPROB,
@@ -34,14 +34,21 @@ from producers.envs.atropos_groups import (
     InvalidGroup,
     atropos_sequences,
 )
-from schemas import ScoredGroup, SequenceScore, TrajectoryGroup
+from rollq.schemas import ScoredGroup, SequenceScore, TrajectoryGroup
 
 PER_TOKEN_FLOATS = ("advantages", "inference_logprobs")
 """Per-token float fields rollq reads into its own arrays when they fit the tokens."""
 ENV_SCORES = "atropos:env_scores"
 """``reward_config`` of scored groups whose rewards are the env's own scores."""
-__all__ = ["ENV_SCORE", "ENV_SCORES", "InvalidGroup", "mismatched_fields", "to_atropos",
-           "to_scored", "to_trajectory"]
+__all__ = [
+    "ENV_SCORE",
+    "ENV_SCORES",
+    "InvalidGroup",
+    "mismatched_fields",
+    "scored_from_atropos",
+    "to_atropos",
+    "to_trajectory",
+]
 
 
 def mismatched_fields(data: ScoredData) -> list[str]:
@@ -79,7 +86,7 @@ def to_trajectory(data: ScoredData, *, run: str, env: str, group_id: str,
         raise InvalidGroup(f"invalid group: {exc}") from None
 
 
-def to_scored(trajectory: TrajectoryGroup, data: ScoredData) -> ScoredGroup:
+def scored_from_atropos(trajectory: TrajectoryGroup, data: ScoredData) -> ScoredGroup:
     """The group scored with the env's own scores (``--rewards env``)."""
     start = len(trajectory.prompt_ids)
     data, _ = set_aside(data)

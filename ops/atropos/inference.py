@@ -27,11 +27,11 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from producers.inference import InferencePool
-from producers.inference.capture import Upstream
-from producers.inference.capture.generate import generate, passthrough
-from producers.inference.errors import InferenceRequestError, InferenceResponseError
-from schemas import InferenceUnavailable
+from rollq.producers.inference import InferencePool
+from rollq.producers.inference.capture import Upstream
+from rollq.producers.inference.capture.generate import generate, passthrough
+from rollq.producers.inference.errors import InferenceRequestError, InferenceResponseError
+from rollq.schemas import InferenceUnavailable
 
 PREFIX = "/inference"
 

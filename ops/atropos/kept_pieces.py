@@ -14,10 +14,10 @@ from typing import Any
 
 import orjson
 
-from ops.atropos.convert import to_atropos
-from ops.atropos.pieces import compress
-from schemas import ScoredGroup
-from schemas.keys import partner_key
+from rollq.ops.atropos.convert import to_atropos
+from rollq.ops.atropos.pieces import compress
+from rollq.schemas import ScoredGroup
+from rollq.schemas.keys import partner_key
 
 Ref = tuple[str, str]
 """A queued group: (its stream, its entry id)."""

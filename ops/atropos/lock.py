@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
-from consumers.bus import translated_errors
-from schemas import BrokerUnavailable
+from rollq.consumers.bus import translated_errors
+from rollq.schemas import BrokerUnavailable
 
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end

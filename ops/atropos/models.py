@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, field_validator
 
 
-class Registration(BaseModel):
+class TrainerRegistration(BaseModel):
     """``POST /register``: a trainer announces itself and its batch size."""
 
     wandb_group: str

@@ -23,7 +23,7 @@ import structlog
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from schemas import BrokerUnavailable
+from rollq.schemas import BrokerUnavailable
 
 log = structlog.get_logger("rollq.atropos")
 

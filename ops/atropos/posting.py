@@ -27,14 +27,19 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 import structlog
 
-from consumers.bus import translated_errors
-from ops.atropos.batching import groups_summing_to
-from ops.atropos.convert import InvalidGroup, mismatched_fields, to_scored, to_trajectory
-from ops.atropos.kept_pieces import PieceCache, build_piece, entry_text, piece_key
-from ops.atropos.models import ScoredData
-from ops.settings import RewardSource
-from schemas import BrokerUnavailable, ContractError, encode
-from schemas.keys import (
+from rollq.consumers.bus import translated_errors
+from rollq.ops.atropos.batching import groups_summing_to
+from rollq.ops.atropos.convert import (
+    InvalidGroup,
+    mismatched_fields,
+    scored_from_atropos,
+    to_trajectory,
+)
+from rollq.ops.atropos.kept_pieces import PieceCache, build_piece, entry_text, piece_key
+from rollq.ops.atropos.models import ScoredData
+from rollq.ops.settings import RewardSource
+from rollq.schemas import BrokerUnavailable, ContractError, encode
+from rollq.schemas.keys import (
     POLICY_VERSION_FIELD,
     partition_of,
     partner_key,
@@ -188,7 +193,7 @@ class Poster:
             if self.rewards == "bridge":
                 return _Entry(stream_key(self.run, partition, "traj"), encode(trajectory),
                               b"", digest)
-            scored = to_scored(trajectory, data)
+            scored = scored_from_atropos(trajectory, data)
             return _Entry(stream_key(self.run, partition, "scored"), encode(scored),
                           build_piece(scored, self.gzip_level), digest)
         except (ContractError, ValueError) as exc:

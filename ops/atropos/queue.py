@@ -20,18 +20,18 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import (
+from rollq.consumers.bus import (
     Delivery,
     ReaderSettings,
     StreamReader,
     join_trajectories,
     translated_errors,
 )
-from ops.atropos.batching import Queued
-from ops.atropos.kept_pieces import PieceCache, Ref, build_piece, piece_key
-from schemas import DecodeError, ScoredGroup, decode_scored
-from schemas.failures import TRAJECTORY_MISSING, classify
-from schemas.keys import stream_keys
+from rollq.ops.atropos.batching import Queued
+from rollq.ops.atropos.kept_pieces import PieceCache, Ref, build_piece, piece_key
+from rollq.schemas import DecodeError, ScoredGroup, decode_scored
+from rollq.schemas.failures import TRAJECTORY_MISSING, classify
+from rollq.schemas.keys import stream_keys
 
 log = structlog.get_logger("rollq.atropos")
 
@@ -39,7 +39,7 @@ QUEUE_CONSUMER = "queue"
 
 
 @dataclass
-class Held:
+class QueuedGroup:
     """A queued group, decoded, with what the batch rules need of it."""
 
     group: ScoredGroup
@@ -56,7 +56,7 @@ class Queue:
         self.consumer_group = consumer_group
         self.cache_groups = cache_groups
         self.gzip_level = gzip_level
-        self._cache: OrderedDict[Ref, Held] = OrderedDict()
+        self._cache: OrderedDict[Ref, QueuedGroup] = OrderedDict()
         self._pieces_kept = pieces_kept
         self._reader: StreamReader | None = None
         self._ingester: asyncio.Task[None] | None = None
@@ -128,7 +128,7 @@ class Queue:
             if len(deliveries) < 256:
                 return
 
-    async def pieces(self, held: dict[Ref, Held], *, load: bool = False) -> dict[Ref, bytes]:
+    async def pieces(self, held: dict[Ref, QueuedGroup], *, load: bool = False) -> dict[Ref, bytes]:
         """Make sure every held group has its piece in Redis, building the missing ones
         (groups this API did not post); with ``load``, return them all."""
         kept = {ref: piece for ref in held if (piece := self._pieces_kept.get(ref)) is not None}
@@ -163,7 +163,7 @@ class Queue:
             self._pieces_kept.put(ref, piece)
         return {**kept, **found}
 
-    async def _hold(self, delivery: Delivery) -> Held | None:
+    async def _hold(self, delivery: Delivery) -> QueuedGroup | None:
         ref = (delivery.stream, delivery.entry_id)
         try:
             group = decode_scored(delivery.fields)
@@ -176,7 +176,7 @@ class Queue:
             return None
         meta = group.trajectory.metadata.get("atropos")
         env_id = meta.get("env_id") if isinstance(meta, dict) else None
-        held = Held(group, Queued(len(group.scores), env_id))
+        held = QueuedGroup(group, Queued(len(group.scores), env_id))
         self._cache[ref] = held
         while len(self._cache) > self.cache_groups:
             self._cache.popitem(last=False)
@@ -198,8 +198,8 @@ class Queue:
         refs.sort()
         return [ref for _, ref in refs]
 
-    async def fetch(self, refs: Sequence[Ref]) -> dict[Ref, Held]:
-        """Held groups by ref, from the cache or Redis; gone or undecodable ones left out."""
+    async def fetch(self, refs: Sequence[Ref]) -> dict[Ref, QueuedGroup]:
+        """QueuedGroup groups by ref, from the cache or Redis; gone or undecodable ones left out."""
         found = {ref: self._cache[ref] for ref in refs if ref in self._cache}
         missing = [ref for ref in refs if ref not in found]
         if not missing:
@@ -222,7 +222,7 @@ class Queue:
                 found[ref] = held
         return found
 
-    async def waiting(self, exclude: set[Ref] | None = None) -> list[tuple[Ref, Held]]:
+    async def waiting(self, exclude: set[Ref] | None = None) -> list[tuple[Ref, QueuedGroup]]:
         """The groups waiting for a batch, oldest first."""
         await self.ingest()
         refs = [ref for ref in await self.pending() if ref not in (exclude or set())]

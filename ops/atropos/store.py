@@ -63,17 +63,17 @@ import orjson
 import redis.asyncio as aioredis
 import structlog
 
-from consumers.bus import Delivery, StreamReader, translated_errors
-from ops.atropos.batching import env_status, select_batch
-from ops.atropos.kept_pieces import PieceCache, Ref, piece_key
-from ops.atropos.lock import ApiLock
-from ops.atropos.models import ScoredData
-from ops.atropos.pieces import inflate
-from ops.atropos.posting import Poster
-from ops.atropos.queue import Held, Queue
-from ops.settings import RewardSource
-from producers.publisher import Publisher
-from schemas.keys import CONSUMED_COUNTER, DROP_PREFIX, counters_key, run_key
+from rollq.consumers.bus import Delivery, StreamReader, translated_errors
+from rollq.ops.atropos.batching import env_status, select_batch
+from rollq.ops.atropos.kept_pieces import PieceCache, Ref, piece_key
+from rollq.ops.atropos.lock import ApiLock
+from rollq.ops.atropos.models import ScoredData
+from rollq.ops.atropos.pieces import inflate
+from rollq.ops.atropos.posting import Poster
+from rollq.ops.atropos.queue import Queue, QueuedGroup
+from rollq.ops.settings import RewardSource
+from rollq.producers.publisher import Publisher
+from rollq.schemas.keys import CONSUMED_COUNTER, DROP_PREFIX, counters_key, run_key
 
 log = structlog.get_logger("rollq.atropos")
 
@@ -240,7 +240,7 @@ class AtroposStore:
 
     # -- the queue -----------------------------------------------------------------------------
 
-    async def queue(self, exclude: set[Ref] | None = None) -> list[tuple[Ref, Held]]:
+    async def queue(self, exclude: set[Ref] | None = None) -> list[tuple[Ref, QueuedGroup]]:
         """The groups waiting for a batch, oldest first."""
         return await self._queue.waiting(exclude)
 

@@ -24,21 +24,21 @@ import structlog
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
-from ops.gateway.sessions import add_session_routes
-from ops.gateway.settings import GatewaySettings
-from ops.role_metrics import add_metrics_route, gateway_metrics, session_metrics
-from producers.inference import InferencePool
-from producers.inference.capture import CaptureHub, Upstream
-from producers.inference.capture.render import LocalTemplate
-from producers.publisher import Publisher
-from producers.rollout import PolicyVersionSource
-from producers.sessions import SessionGate, SessionHost, SessionStore
-from schemas import TransientError
+from rollq.ops.gateway.sessions import add_session_routes
+from rollq.ops.gateway.settings import GatewaySettings
+from rollq.ops.role_metrics import add_metrics_route, gateway_metrics, session_metrics
+from rollq.producers.inference import InferencePool
+from rollq.producers.inference.capture import CaptureHub, Upstream
+from rollq.producers.inference.capture.render import LocalTemplate
+from rollq.producers.publisher import Publisher
+from rollq.producers.rollout import PolicyVersionSource
+from rollq.producers.sessions import SessionGate, SessionHost, SessionStore
+from rollq.schemas import TransientError
 
 log = structlog.get_logger("rollq.gateway")
 
 if TYPE_CHECKING:
-    from ops.metrics import RoleMetrics
+    from rollq.ops.metrics import RoleMetrics
 
 
 def create_app(settings: GatewaySettings, *,
@@ -95,8 +95,8 @@ def create_app(settings: GatewaySettings, *,
 
 
 def _metrics(app: FastAPI, settings: GatewaySettings) -> RoleMetrics:
-    from ops.connections import redis_options
-    from ops.metrics import RoleMetrics
+    from rollq.ops.connections import redis_options
+    from rollq.ops.metrics import RoleMetrics
 
     # the run-wide series (drops by reason: session_expired) only where it uses Redis
     metrics = RoleMetrics("gateway", run=settings.run,
@@ -112,7 +112,7 @@ async def open_sessions(settings: GatewaySettings, upstream: Upstream, *,
                         redis: aioredis.Redis | None = None) -> AsyncIterator[SessionHost]:
     """The run's ``SessionHost`` on ``redis`` (None: a client of ``redis_url``, closed
     after); the run is registered (its partition count) before the first request."""
-    from ops.connections import open_redis
+    from rollq.ops.connections import open_redis
 
     client = redis if redis is not None else open_redis(settings)
     try:

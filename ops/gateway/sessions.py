@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from producers.inference.capture.hub import (
+from rollq.producers.inference.capture.hub import (
     GatewayReply,
     answered,
     error_reply,
@@ -38,8 +38,8 @@ from producers.inference.capture.hub import (
     models_reply,
     reply_of,
 )
-from producers.sessions import AdmissionRefused, SessionConflict, SessionHost
-from schemas import BrokerUnavailable, ContractError
+from rollq.producers.sessions import AdmissionRefused, SessionConflict, SessionHost
+from rollq.schemas import BrokerUnavailable, ContractError
 
 
 class OpenSessions(BaseModel):

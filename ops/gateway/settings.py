@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ops.settings import CommonSettings, InferenceUrls
+from rollq.ops.settings import CommonSettings, InferenceUrls
 
 
 class GatewaySettings(CommonSettings):

@@ -9,9 +9,9 @@
   envs by name (``gem:ID``, ``skyrl:ID``, ``areal:MODULE:ATTRIBUTE``).
 """
 
-from producers.envs.adapters import GemAdapter, SkyRLGymAdapter
-from producers.envs.base import Env, Item, PolicyVersion, Rollout
-from producers.envs.dataset import (
+from rollq.producers.envs.adapters import GemAdapter, SkyRLGymAdapter
+from rollq.producers.envs.base import Env, Item, PolicyVersion, Rollout
+from rollq.producers.envs.dataset import (
     GSM8K,
     MATH,
     DatasetEnv,
@@ -23,8 +23,8 @@ from producers.envs.dataset import (
     math_env,
     parse_gsm8k_answer,
 )
-from producers.envs.guess import GuessGame
-from producers.envs.multiturn import (
+from rollq.producers.envs.guess import GuessGame
+from rollq.producers.envs.multiturn import (
     EpisodeEnv,
     EpisodeRunner,
     MultiTurnEnv,
@@ -34,13 +34,13 @@ from producers.envs.multiturn import (
     SyncMultiTurnEnv,
     TruncatedTurn,
 )
-from producers.envs.observations import (
+from rollq.producers.envs.observations import (
     ChatTemplateDelta,
     Observation,
     ObservationEncoder,
     TextTemplate,
 )
-from producers.envs.registry import make_env
+from rollq.producers.envs.registry import make_env
 
 __all__ = [
     "GSM8K",

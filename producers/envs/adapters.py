@@ -16,9 +16,9 @@ import inspect
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from producers.envs.multiturn import StepResult
-from producers.envs.observations import Observation
-from producers.inference import MessageDict
+from rollq.producers.envs.multiturn import StepResult
+from rollq.producers.envs.observations import Observation
+from rollq.producers.inference import MessageDict
 
 
 async def _resolve(value: Any) -> Any:

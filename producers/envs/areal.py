@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.envs.base import (
+from rollq.producers.envs.base import (
     EpisodeResult,
     EpisodeWorkflow,
     Item,
@@ -31,10 +31,10 @@ from producers.envs.base import (
     RecordItems,
     Rollout,
 )
-from producers.envs.episode import GatewayEpisodeEnv, UpstreamCache, captured_group
-from producers.inference import InferencePool, SamplingParams
-from producers.inference.capture import EpisodeCapture, EpisodeGateway
-from producers.inference.capture.render import LocalTemplate
+from rollq.producers.envs.episode import GatewayEpisodeEnv, UpstreamCache, captured_group
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.inference.capture import EpisodeCapture, EpisodeGateway
+from rollq.producers.inference.capture.render import LocalTemplate
 
 AREAL_TOP_K_OFF = 100_000_000
 """AReaL's ``top_k`` default (1e8) means no top-k."""

@@ -53,16 +53,16 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from producers.envs.atropos_groups import atropos_sequences
-from producers.envs.base import Item, PolicyVersion, Rollout
-from producers.envs.episode import UpstreamCache
-from producers.inference import InferencePool, SamplingParams
-from producers.inference.capture import Upstream
-from producers.inference.capture.generate import generate, passthrough
-from producers.inference.capture.session import public_reply
-from producers.inference.parse import parse_chat, parse_completions
-from schemas import ConfigError, ContractError, InferenceUnavailable
-from schemas.failures import ENV_SKIPPED
+from rollq.producers.envs.atropos_groups import atropos_sequences
+from rollq.producers.envs.base import Item, PolicyVersion, Rollout
+from rollq.producers.envs.episode import UpstreamCache
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.inference.capture import Upstream
+from rollq.producers.inference.capture.generate import generate, passthrough
+from rollq.producers.inference.capture.session import public_reply
+from rollq.producers.inference.parse import parse_chat, parse_completions
+from rollq.schemas import ConfigError, ContractError, InferenceUnavailable
+from rollq.schemas.failures import ENV_SKIPPED
 
 DEFAULT_ITEMS = 10**9
 _TAG = "__rollq__"

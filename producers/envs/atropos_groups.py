@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from schemas import Completion, ContractError
+from rollq.schemas import Completion, ContractError
 
 SCORED_DATA_FIELDS: tuple[str, ...] = (
     "tokens", "masks", "scores", "advantages", "ref_logprobs", "messages",

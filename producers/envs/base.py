@@ -19,9 +19,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from producers.inference import InferencePool, SamplingParams
-from producers.inference.capture import EpisodeClient
-from schemas import Completion
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.inference.capture import EpisodeClient
+from rollq.schemas import Completion
 
 PolicyVersion = Callable[[], Awaitable[int]]
 """Returns the policy version (trainer optimizer step) in force now."""

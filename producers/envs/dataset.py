@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from producers.envs.base import Item, PolicyVersion, RecordItems, Rollout
-from producers.inference import InferencePool, MessageDict, SamplingParams
-from schemas import ConfigError, ContractError
+from rollq.producers.envs.base import Item, PolicyVersion, RecordItems, Rollout
+from rollq.producers.inference import InferencePool, MessageDict, SamplingParams
+from rollq.schemas import ConfigError, ContractError
 
 Record = dict[str, Any]
 

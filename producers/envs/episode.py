@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from producers.envs.base import (
+from rollq.producers.envs.base import (
     AgentEnv,
     EpisodeResult,
     EpisodeWorkflow,
@@ -51,8 +51,8 @@ from producers.envs.base import (
     RecordItems,
     Rollout,
 )
-from producers.inference import InferencePool, SamplingParams
-from producers.inference.capture import (
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.inference.capture import (
     CapturedEpisode,
     CaptureHub,
     EpisodeCapture,
@@ -61,8 +61,8 @@ from producers.inference.capture import (
     LocalGateway,
     Upstream,
 )
-from producers.inference.capture.render import LocalTemplate
-from schemas import Completion, ContractError, InferenceUnavailable
+from rollq.producers.inference.capture.render import LocalTemplate
+from rollq.schemas import Completion, ContractError, InferenceUnavailable
 
 
 def as_result(value: Any) -> EpisodeResult:

@@ -12,7 +12,7 @@ import random
 import re
 from typing import Any
 
-from producers.envs.multiturn import StepResult
+from rollq.producers.envs.multiturn import StepResult
 
 _INTEGER = re.compile(r"-?\d+")
 

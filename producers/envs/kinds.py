@@ -42,14 +42,14 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from producers.envs.adapters import GemAdapter, SkyRLGymAdapter
-from producers.envs.areal import ArealCollectorEnv, areal_workflow_env
-from producers.envs.base import Env
-from producers.envs.dataset import load_records
-from producers.envs.multiturn import EpisodeEnv, EpisodeRunner, RecordEpisodeEnv
-from producers.inference.capture import RemoteGateway
-from producers.inference.capture.render import LocalTemplate
-from schemas import ConfigError
+from rollq.producers.envs.adapters import GemAdapter, SkyRLGymAdapter
+from rollq.producers.envs.areal import ArealCollectorEnv, areal_workflow_env
+from rollq.producers.envs.base import Env
+from rollq.producers.envs.dataset import load_records
+from rollq.producers.envs.multiturn import EpisodeEnv, EpisodeRunner, RecordEpisodeEnv
+from rollq.producers.inference.capture import RemoteGateway
+from rollq.producers.inference.capture.render import LocalTemplate
+from rollq.schemas import ConfigError
 
 DEFAULT_MAX_EPISODE_TURNS = 100
 """The bridge's cap on model turns for a kind's env, which ends its episodes itself."""

@@ -51,16 +51,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from producers.envs.base import Item, PolicyVersion, RecordItems, Rollout
-from producers.envs.observations import (
+from rollq.producers.envs.base import Item, PolicyVersion, RecordItems, Rollout
+from rollq.producers.envs.observations import (
     ChatTemplateDelta,
     Observation,
     ObservationEncoder,
     as_messages,
     observation_text,
 )
-from producers.inference import InferencePool, MessageDict, PromptTooLongError, SamplingParams
-from schemas import Completion, ConfigError, ContractError
+from rollq.producers.inference import InferencePool, MessageDict, PromptTooLongError, SamplingParams
+from rollq.schemas import Completion, ConfigError, ContractError
 
 StepResult = tuple[Observation, float, bool, bool, dict[str, Any]]
 """``(observation, reward, terminated, truncated, info)``, as in gymnasium."""

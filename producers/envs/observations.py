@@ -34,9 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from producers.inference import InferencePool, MessageDict
-from producers.inference.turns import close_turn  # shared with the capture layer
-from schemas import ConfigError
+from rollq.producers.inference import InferencePool, MessageDict
+from rollq.producers.inference.turns import close_turn  # shared with the capture layer
+from rollq.schemas import ConfigError
 
 Observation = str | list[MessageDict]
 """An env observation: text (sent as a user message) or chat messages (e.g. a tool turn)."""

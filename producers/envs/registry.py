@@ -36,20 +36,20 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from producers.envs.base import AgentEnv, Env
-from producers.envs.dataset import PromptStyle, gsm8k_env, math_env
-from producers.envs.episode import ClientEpisodeEnv
-from producers.envs.guess import GuessGame
-from producers.envs.multiturn import EpisodeEnv, EpisodeRunner, TruncatedTurn
-from producers.envs.sums import sums_env
-from schemas import ConfigError
+from rollq.producers.envs.base import AgentEnv, Env
+from rollq.producers.envs.dataset import PromptStyle, gsm8k_env, math_env
+from rollq.producers.envs.episode import ClientEpisodeEnv
+from rollq.producers.envs.guess import GuessGame
+from rollq.producers.envs.multiturn import EpisodeEnv, EpisodeRunner, TruncatedTurn
+from rollq.producers.envs.sums import sums_env
+from rollq.schemas import ConfigError
 
 _STYLE_OPTIONS = ("mode", "template", "system_prompt")
 
 
 def sample_path() -> str:
     """Path of the shipped GSM8K-format sample file."""
-    return str(resources.files("producers.data").joinpath("gsm8k_sample.jsonl"))
+    return str(resources.files("rollq.producers.data").joinpath("gsm8k_sample.jsonl"))
 
 
 def _dataset(build: Callable[..., Env], default_source: str | None) -> Callable[..., Env]:
@@ -83,7 +83,7 @@ def _sums(**options: Any) -> Env:
 
 def _tools(**options: Any) -> Env:
     try:
-        from producers.envs.tools import tools_env
+        from rollq.producers.envs.tools import tools_env
     except ImportError as exc:  # the agent is written with the openai package
         raise ConfigError(f"env 'tools' needs the openai package (pip install openai): "
                           f"{exc}") from exc
@@ -100,10 +100,10 @@ BUILTIN: dict[str, Callable[..., Env]] = {
 
 
 KINDS: dict[str, str] = {
-    "gem": "producers.envs.kinds:gem_env",  # gem:ENV_ID (extra gem)
-    "skyrl": "producers.envs.kinds:skyrl_env",  # skyrl:ENV_ID (extra skyrl)
-    "areal": "producers.envs.kinds:areal_env",  # areal:MODULE:ATTRIBUTE
-    "atropos": "producers.envs.atropos:atropos_env",  # atropos:MODULE:ENVCLASS (extra atropos)
+    "gem": "rollq.producers.envs.kinds:gem_env",  # gem:ENV_ID (extra gem)
+    "skyrl": "rollq.producers.envs.kinds:skyrl_env",  # skyrl:ENV_ID (extra skyrl)
+    "areal": "rollq.producers.envs.kinds:areal_env",  # areal:MODULE:ATTRIBUTE
+    "atropos": "rollq.producers.envs.atropos:atropos_env",  # atropos:MODULE:CLASS (extra)
 }
 """Env kinds by prefix: ``--env KIND:SPEC`` calls the factory at this ``module:attribute``
 path as ``factory(SPEC, **options)``. Adapters for optional packages register here."""

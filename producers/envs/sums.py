@@ -17,8 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from producers.envs.dataset import MATH, DatasetEnv, PromptStyle, load_records
-from schemas import ConfigError
+from rollq.producers.envs.dataset import MATH, DatasetEnv, PromptStyle, load_records
+from rollq.schemas import ConfigError
 
 Split = Literal["train", "heldout", "all"]
 
@@ -28,7 +28,7 @@ CHANCE = 1 / 19
 
 def sums_path() -> str:
     """Path of the shipped ``sums.jsonl``."""
-    return str(resources.files("producers.data").joinpath("sums.jsonl"))
+    return str(resources.files("rollq.producers.data").joinpath("sums.jsonl"))
 
 
 def sums_records(split: Split = "train", source: str | Path | None = None) -> list[dict[str, Any]]:

@@ -33,9 +33,9 @@ from typing import Any
 
 import openai
 
-from producers.envs.episode import GatewayEpisodeEnv
-from producers.envs.sums import CHANCE, Split, sums_records
-from producers.inference.capture import RemoteGateway
+from rollq.producers.envs.episode import GatewayEpisodeEnv
+from rollq.producers.envs.sums import CHANCE, Split, sums_records
+from rollq.producers.inference.capture import RemoteGateway
 
 __all__ = ["CALC_TOOL", "CHANCE", "TOOLS_CHAT_TEMPLATE", "VLLM_TOOL_FLAGS", "CalculatorAgent",
            "EpisodeOutcome", "calculate", "tools_env"]
@@ -48,7 +48,7 @@ CALC_TOOL: dict[str, Any] = {"type": "function", "function": {
 VLLM_TOOL_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 """The vLLM server flags that turn the model's ``<tool_call>`` text into ``tool_calls``."""
 
-TOOLS_CHAT_TEMPLATE = resources.files("producers.data").joinpath(
+TOOLS_CHAT_TEMPLATE = resources.files("rollq.producers.data").joinpath(
     "tools_chat_template.jinja").read_text()
 """ChatML with tools: a ``system`` line naming the tools, assistant tool calls as Hermes
 ``<tool_call>`` blocks (what vLLM's ``hermes`` parser reads back), ``tool`` turns

@@ -5,7 +5,7 @@ Token ids and logprobs always come from the server (``return_token_ids``, ``logp
 nothing is re-tokenised or recomputed client side.
 """
 
-from producers.inference.errors import (
+from rollq.producers.inference.errors import (
     GenerationAborted,
     InferenceRequestError,
     InferenceResponseError,
@@ -13,9 +13,9 @@ from producers.inference.errors import (
     PromptTooLongError,
     ServerUnreachable,
 )
-from producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
-from producers.inference.pool import InferencePool
-from producers.inference.server import InferenceServer, MessageDict
+from rollq.producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
+from rollq.producers.inference.pool import InferencePool
+from rollq.producers.inference.server import InferenceServer, MessageDict
 
 __all__ = [
     "Backoff",

@@ -17,7 +17,7 @@ httpx exceptions are translated in ``producers.inference.server`` and nowhere el
 
 from __future__ import annotations
 
-from schemas.errors import ContractError, InferenceUnavailable
+from rollq.schemas.errors import ContractError, InferenceUnavailable
 
 
 class InferenceRequestError(ContractError):

@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import Completion
+from rollq.schemas import Completion
 
 
 class SamplingParams(BaseModel):

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from producers.inference.errors import InferenceResponseError
-from producers.inference.params import Choice, WeightSpan
+from rollq.producers.inference.errors import InferenceResponseError
+from rollq.producers.inference.params import Choice, WeightSpan
 
 _TOKEN_ID_PREFIX = "token_id:"
 

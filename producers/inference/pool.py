@@ -36,15 +36,15 @@ from typing import Any, Self, TypeVar
 import httpx
 import structlog
 
-from producers.inference.errors import (
+from rollq.producers.inference.errors import (
     GenerationAborted,
     InferenceRequestError,
     PauseTimeout,
     ServerUnreachable,
 )
-from producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
-from producers.inference.server import InferenceServer, MessageDict
-from schemas import ConfigError, InferenceUnavailable
+from rollq.producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
+from rollq.producers.inference.server import InferenceServer, MessageDict
+from rollq.schemas import ConfigError, InferenceUnavailable
 
 log = structlog.get_logger("rollq.inference")
 

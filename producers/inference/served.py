@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import structlog
 
-from producers.inference.errors import InferenceRequestError, InferenceResponseError
-from producers.inference.server import InferenceServer
-from schemas import ConfigError, InferenceUnavailable
+from rollq.producers.inference.errors import InferenceRequestError, InferenceResponseError
+from rollq.producers.inference.server import InferenceServer
+from rollq.schemas import ConfigError, InferenceUnavailable
 
 log = structlog.get_logger("rollq.inference")
 

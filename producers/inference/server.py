@@ -14,23 +14,23 @@ from typing import Any
 import httpx
 import orjson
 
-from producers.inference.errors import (
+from rollq.producers.inference.errors import (
     GenerationAborted,
     InferenceRequestError,
     InferenceResponseError,
     PromptTooLongError,
     ServerUnreachable,
 )
-from producers.inference.params import Choice, SamplingParams
-from producers.inference.parse import (
+from rollq.producers.inference.params import Choice, SamplingParams
+from rollq.producers.inference.parse import (
     error_detail,
     parse_chat,
     parse_completions,
     parse_generate,
     parse_tokens,
 )
-from schemas import InferenceUnavailable
-from schemas.stats import Histogram
+from rollq.schemas import InferenceUnavailable
+from rollq.schemas.stats import Histogram
 
 MessageDict = dict[str, Any]
 

@@ -2,8 +2,8 @@
 agents that run outside rollq's workers, kept in Redis (``SessionHost``, ``SessionStore``),
 admitted under the run's staleness budget (``SessionGate``)."""
 
-from producers.sessions.gate import AdmissionRefused, SessionGate
-from producers.sessions.host import (
+from rollq.producers.sessions.gate import AdmissionRefused, SessionGate
+from rollq.producers.sessions.host import (
     CallInFlight,
     CloseOutcome,
     OpenedGroup,
@@ -13,7 +13,7 @@ from producers.sessions.host import (
     SessionGone,
     SessionHost,
 )
-from producers.sessions.store import SessionStore
+from rollq.producers.sessions.store import SessionStore
 
 __all__ = [
     "AdmissionRefused",

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from producers.admission import admit
-from producers.feeder import read_feed_state
-from schemas import TransientError
-from schemas.errors import translated_errors
-from schemas.keys import ADMITTED_FIELD, state_key
+from rollq.producers.admission import admit
+from rollq.producers.feeder import read_feed_state
+from rollq.schemas import TransientError
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import ADMITTED_FIELD, state_key
 
 # KEYS[1] run state; ARGV[1] the admitted count the budget was read with.
 _TAKE = f"""

@@ -41,9 +41,9 @@ from typing import Any, Literal
 
 import structlog
 
-from producers.envs.base import EpisodeResult, Item
-from producers.envs.episode import build_rollout
-from producers.inference.capture import (
+from rollq.producers.envs.base import EpisodeResult, Item
+from rollq.producers.envs.episode import build_rollout
+from rollq.producers.inference.capture import (
     CapturedEpisode,
     CaptureStats,
     EpisodeCapture,
@@ -51,10 +51,10 @@ from producers.inference.capture import (
     Upstream,
     assemble_sequences,
 )
-from producers.inference.capture.session import ContinuationCheck, PolicyVersionReader
-from producers.sessions.gate import SessionGate
-from producers.sessions.store import SessionStore, StoredCall, StoredGroup
-from schemas import (
+from rollq.producers.inference.capture.session import ContinuationCheck, PolicyVersionReader
+from rollq.producers.sessions.gate import SessionGate
+from rollq.producers.sessions.store import SessionStore, StoredCall, StoredGroup
+from rollq.schemas import (
     ContractError,
     DeadLetter,
     TrajectoryGroup,
@@ -62,8 +62,8 @@ from schemas import (
     encode,
     encode_dead,
 )
-from schemas.failures import CONTRACT_ERROR, SESSION_EXPIRED
-from schemas.keys import partition_of
+from rollq.schemas.failures import CONTRACT_ERROR, SESSION_EXPIRED
+from rollq.schemas.keys import partition_of
 
 log = structlog.get_logger("rollq.sessions")
 

@@ -33,9 +33,9 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from producers.inference.capture import CapturedCall
-from schemas.errors import translated_errors
-from schemas.keys import DROP_PREFIX, counters_key, session_key, sessions_key, stream_key
+from rollq.producers.inference.capture import CapturedCall
+from rollq.schemas.errors import translated_errors
+from rollq.schemas.keys import DROP_PREFIX, counters_key, session_key, sessions_key, stream_key
 
 # KEYS: group, index. ARGV: group id, now, field/value pairs. 1: opened; 0: already open;
 # -1: the group ended already (its id is spent).

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import openai
 
-from producers.envs.base import EpisodeResult, Item
-from producers.inference import SamplingParams
+from rollq.producers.envs.base import EpisodeResult, Item
+from rollq.producers.inference import SamplingParams
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression.",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.stack import VllmProcess
+from rollq.ops.local.stack import VllmProcess
 from tests.integration.interpreters import vllm_python
 
 TEMPLATE = Path(__file__).with_name("tool_template.jinja")
@@ -23,7 +23,7 @@ TEMPLATE = Path(__file__).with_name("tool_template.jinja")
 @pytest.fixture(scope="session")
 def tool_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     python = vllm_python()
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     directory = tmp_path_factory.mktemp("tool-vllm")
     model = write_tiny_model(directory / "rollq-tiny", seed=0)

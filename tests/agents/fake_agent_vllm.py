@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import orjson
 
-from producers.inference.capture.toolcalls import parse_hermes
+from rollq.producers.inference.capture.toolcalls import parse_hermes
 from tests.producers.fake_vllm import (
     EOS,
     IM_END,

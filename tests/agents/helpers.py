@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from producers.inference import InferencePool
-from schemas import Completion
+from rollq.producers.inference import InferencePool
+from rollq.schemas import Completion
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.producers.fake_vllm import fake_transport
 

@@ -7,16 +7,16 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from consumers.scorer.bridge import RewardBridge
-from consumers.scorer.config import RewardConfig
-from consumers.scorer.consumer import Scorer
-from consumers.trainer import TrainerClient
-from producers.envs.base import Env
-from producers.inference import SamplingParams
-from producers.publisher import Publisher
-from producers.worker import build_worker
-from schemas import ScoredGroup, TrajectoryGroup, decode_trajectory, encode
-from schemas.keys import stream_key
+from rollq.consumers.scorer.bridge import RewardBridge
+from rollq.consumers.scorer.config import RewardConfig
+from rollq.consumers.scorer.consumer import Scorer
+from rollq.consumers.trainer import TrainerClient
+from rollq.producers.envs.base import Env
+from rollq.producers.inference import SamplingParams
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import build_worker
+from rollq.schemas import ScoredGroup, TrajectoryGroup, decode_trajectory, encode
+from rollq.schemas.keys import stream_key
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.producers.fake_vllm import fake_transport
 from tests.producers.jobs import enqueue_positions

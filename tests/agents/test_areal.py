@@ -10,7 +10,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from producers.envs.areal import ArealCollectorEnv, ArealGenerationConfig, areal_workflow_env
+from rollq.producers.envs.areal import ArealCollectorEnv, ArealGenerationConfig, areal_workflow_env
 from tests.agents.agents import QUESTIONS, CalculatorWorkflow
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import served, tool_script, trainable_runs

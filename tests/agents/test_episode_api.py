@@ -8,19 +8,19 @@ import numpy as np
 import openai
 import pytest
 
-from producers.envs.base import Item
-from producers.envs.episode import ClientEpisodeEnv
-from producers.envs.registry import make_env
-from producers.inference import InferenceRequestError, SamplingParams
-from producers.inference.capture import (
+from rollq.producers.envs.base import Item
+from rollq.producers.envs.episode import ClientEpisodeEnv
+from rollq.producers.envs.registry import make_env
+from rollq.producers.inference import InferenceRequestError, SamplingParams
+from rollq.producers.inference.capture import (
     CapturedCall,
     EpisodeCapture,
     EpisodeClient,
     Upstream,
     assemble_sequences,
 )
-from producers.inference.capture.replies import ChatCompletion, TextCompletion
-from schemas import ContractError, InferenceUnavailable
+from rollq.producers.inference.capture.replies import ChatCompletion, TextCompletion
+from rollq.schemas import ContractError, InferenceUnavailable
 from tests.agents.agents import CalculatorEnv, RewritingEnv, TextEnv
 from tests.agents.fake_agent_vllm import PAIR, AgentFakeVLLM, decode
 from tests.agents.helpers import assert_exactly_served, pool_of, served, tool_script

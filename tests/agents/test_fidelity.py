@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
-from producers.inference import SamplingParams
-from producers.inference.capture import EpisodeCapture, EpisodeClient, RemoteGateway, Upstream
-from producers.inference.capture.session import chat_only_field
-from schemas import decode_dead
-from schemas.keys import stream_key
+from rollq.producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
+from rollq.producers.inference import SamplingParams
+from rollq.producers.inference.capture import EpisodeCapture, EpisodeClient, RemoteGateway, Upstream
+from rollq.producers.inference.capture.session import chat_only_field
+from rollq.schemas import decode_dead
+from rollq.schemas.keys import stream_key
 from tests.agents.agents import QUESTIONS, CalculatorEnv, CalculatorWorkflow, calculator_episode
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import (

@@ -22,11 +22,11 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from ops.stack import VllmProcess
-from producers.envs.areal import ArealCollectorEnv, ArealGenerationConfig, areal_workflow_env
-from producers.inference.capture import RemoteGateway
-from schemas import decode_dead
-from schemas.keys import stream_key
+from rollq.ops.local.stack import VllmProcess
+from rollq.producers.envs.areal import ArealCollectorEnv, ArealGenerationConfig, areal_workflow_env
+from rollq.producers.inference.capture import RemoteGateway
+from rollq.schemas import decode_dead
+from rollq.schemas.keys import stream_key
 from tests.agents.agents import CALCULATOR, QUESTIONS, CalculatorWorkflow
 from tests.agents.pipeline import RUN, run_workers
 from tests.agents.test_areal import LLMRequest, SumAgent, SumCollector, SumEnvironment

@@ -16,14 +16,14 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from ops.cli import build_parser
-from ops.gateway.app import create_app
-from ops.gateway.settings import GatewaySettings
-from producers.envs.base import EpisodeResult, Item
-from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv, build_rollout
-from producers.inference.capture import CapturedEpisode, RemoteGateway
-from schemas import InferenceUnavailable
-from schemas.failures import Kind, classify
+from rollq.ops.cli import build_parser
+from rollq.ops.gateway.app import create_app
+from rollq.ops.gateway.settings import GatewaySettings
+from rollq.producers.envs.base import EpisodeResult, Item
+from rollq.producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv, build_rollout
+from rollq.producers.inference.capture import CapturedEpisode, RemoteGateway
+from rollq.schemas import InferenceUnavailable
+from rollq.schemas.failures import Kind, classify
 from tests.agents.agents import (
     CALCULATOR,
     QUESTIONS,
@@ -210,7 +210,7 @@ async def test_rollq_gateway_process_captures_an_unmodified_agent() -> None:
     port = free_port()
     async with serve_fake(fake) as upstream:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ops.cli", "gateway", "--port", str(port),
+            sys.executable, "-m", "rollq", "gateway", "--port", str(port),
             "--inference", upstream, "--model", "rollq-tiny", "--log-format", "json",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         try:

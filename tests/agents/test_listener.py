@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import openai
 
-from producers.inference.capture import CaptureHub, LocalGateway, Upstream
-from producers.inference.capture.listener import LoopbackListener
+from rollq.producers.inference.capture import CaptureHub, LocalGateway, Upstream
+from rollq.producers.inference.capture.listener import LoopbackListener
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import pool_of
 

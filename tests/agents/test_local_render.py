@@ -13,14 +13,23 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from producers.envs.areal import areal_workflow_env
-from producers.envs.base import EpisodeResult, Item
-from producers.envs.episode import GatewayEpisodeEnv, build_rollout
-from producers.envs.registry import make_env
-from producers.inference.capture import CapturedEpisode, EpisodeCapture, EpisodeClient, Upstream
-from producers.inference.capture.render import PROBE_MESSAGES, LocalTemplate, vllm_conversation
-from producers.inference.errors import InferenceRequestError
-from schemas import ConfigError
+from rollq.producers.envs.areal import areal_workflow_env
+from rollq.producers.envs.base import EpisodeResult, Item
+from rollq.producers.envs.episode import GatewayEpisodeEnv, build_rollout
+from rollq.producers.envs.registry import make_env
+from rollq.producers.inference.capture import (
+    CapturedEpisode,
+    EpisodeCapture,
+    EpisodeClient,
+    Upstream,
+)
+from rollq.producers.inference.capture.render import (
+    PROBE_MESSAGES,
+    LocalTemplate,
+    vllm_conversation,
+)
+from rollq.producers.inference.errors import InferenceRequestError
+from rollq.schemas import ConfigError
 from tests.agents.agents import QUESTIONS, CalculatorWorkflow, calculator_episode
 from tests.agents.fake_agent_vllm import AgentFakeVLLM, render
 from tests.agents.helpers import (
@@ -179,7 +188,7 @@ async def test_the_in_process_gateway_renders_with_the_envs_template(
 
 def test_the_areal_kind_takes_a_tokenizer_for_its_in_process_gateway(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the train extra is not installed")
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny", seed=0)
     source = tmp_path / "rows.jsonl"

@@ -22,18 +22,18 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import join_trajectories
-from ops.cli import main
-from ops.connections import open_redis
-from ops.gateway.app import create_app
-from ops.gateway.settings import GatewaySettings
-from ops.local_cluster import LocalCluster
-from ops.roles import run_scorer
-from ops.settings import CommonSettings, ScorerSettings
-from ops.status import collect_status
-from producers.sessions import SessionHost
-from schemas import decode_dead, decode_scored, decode_trajectory
-from schemas.keys import counters_key, partition_of, session_key, stream_key
+from rollq.consumers.bus import join_trajectories
+from rollq.ops.cli import main
+from rollq.ops.connections import open_redis
+from rollq.ops.gateway.app import create_app
+from rollq.ops.gateway.settings import GatewaySettings
+from rollq.ops.local.cluster import LocalCluster
+from rollq.ops.roles import run_scorer
+from rollq.ops.settings import CommonSettings, ScorerSettings
+from rollq.ops.status import collect_status
+from rollq.producers.sessions import SessionHost
+from rollq.schemas import decode_dead, decode_scored, decode_trajectory
+from rollq.schemas.keys import counters_key, partition_of, session_key, stream_key
 from tests.agents.agents import CALCULATOR, QUESTIONS, calculator_episode
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import assert_exactly_served, tool_script
@@ -248,7 +248,7 @@ async def test_kill_9_of_the_gateway_mid_episode_loses_nothing(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     async with serve_fake(fake) as upstream:
-        command = [sys.executable, "-m", "ops.cli", "gateway", "--sessions", "--port",
+        command = [sys.executable, "-m", "rollq", "gateway", "--sessions", "--port",
                    str(port), "--inference", upstream, "--model", "rollq-tiny",
                    "--redis-url", redis_server.url, "--run", RUN, "--log-format", "json"]
         async with httpx.AsyncClient(base_url=base) as http:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from producers.envs.registry import make_env
-from producers.envs.sums import sums_records
-from producers.envs.tools import TOOLS_CHAT_TEMPLATE, calculate, final_answer, tools_env
-from producers.inference import SamplingParams
+from rollq.producers.envs.registry import make_env
+from rollq.producers.envs.sums import sums_records
+from rollq.producers.envs.tools import TOOLS_CHAT_TEMPLATE, calculate, final_answer, tools_env
+from rollq.producers.inference import SamplingParams
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import pool_of
 
@@ -81,8 +81,8 @@ def test_the_env_is_built_by_name_with_its_options() -> None:
 
 
 def test_warm_start_turns_cut_the_templates_own_renders(tiny_model_dir: Path) -> None:
-    from ops.warm_start import Encoder
-    from ops.warm_start_tools import ToolTurns, call_text
+    from rollq.ops.local.warm_start import Encoder
+    from rollq.ops.local.warm_start_tools import ToolTurns, call_text
 
     turns = ToolTurns(Encoder(tiny_model_dir, TOOLS_CHAT_TEMPLATE))
     first, call, second = turns.turns(RECORD)
@@ -101,6 +101,6 @@ def test_warm_start_turns_cut_the_templates_own_renders(tiny_model_dir: Path) ->
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "rollq-tiny", seed=0)

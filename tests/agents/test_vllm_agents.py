@@ -18,16 +18,16 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from ops.gateway.app import create_app
-from ops.gateway.settings import GatewaySettings
-from ops.stack import VllmProcess
-from producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
-from producers.inference import InferencePool
-from producers.inference.capture import RemoteGateway, Upstream
-from producers.inference.capture.render import PROBE_MESSAGES, PROBE_TOOLS, LocalTemplate
-from producers.inference.errors import InferenceRequestError
-from schemas import TrajectoryGroup, decode_trajectory
-from schemas.keys import stream_key
+from rollq.ops.gateway.app import create_app
+from rollq.ops.gateway.settings import GatewaySettings
+from rollq.ops.local.stack import VllmProcess
+from rollq.producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
+from rollq.producers.inference import InferencePool
+from rollq.producers.inference.capture import RemoteGateway, Upstream
+from rollq.producers.inference.capture.render import PROBE_MESSAGES, PROBE_TOOLS, LocalTemplate
+from rollq.producers.inference.errors import InferenceRequestError
+from rollq.schemas import TrajectoryGroup, decode_trajectory
+from rollq.schemas.keys import stream_key
 from tests.agents.agents import (
     QUESTIONS,
     CalculatorEnv,

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import redis.asyncio as aioredis
 
-from ops.atropos.app import create_app
-from ops.process_groups import kill_group, stop_group
-from ops.settings import AtroposApiSettings
+from rollq.ops.atropos.app import create_app
+from rollq.ops.local.process_groups import kill_group, stop_group
+from rollq.ops.settings import AtroposApiSettings
 from tests.redis_server import free_port
 
 REGISTRATION = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4,
@@ -109,7 +109,7 @@ class ApiProcess(Process):
     def __init__(self, redis_url: str, run: str, log: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        super().__init__([sys.executable, "-m", "ops.cli", "atropos-api", "--redis-url",
+        super().__init__([sys.executable, "-m", "rollq", "atropos-api", "--redis-url",
                           redis_url, "--run", run, "--port", str(self.port),
                           "--log-format", "json", *extra], log)
 

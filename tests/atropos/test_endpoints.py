@@ -12,8 +12,8 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 
-from ops.atropos.app import create_app
-from ops.settings import AtroposApiSettings
+from rollq.ops.atropos.app import create_app
+from rollq.ops.settings import AtroposApiSettings
 from tests.atropos.helpers import (
     REGISTRATION,
     api_client,

@@ -55,7 +55,9 @@ async def _until_groups(client: httpx.AsyncClient, groups: list[dict[str, Any]],
 @pytest.mark.timeout(900)
 async def test_env_started_as_documented_reaches_the_trainer_and_rides_out_restarts(
         make_redis_server: type[RedisServer], tmp_path: Path) -> None:
-    from ops.tiny_model import _write_tokenizer  # the tiny model's tokenizer, without torch
+    from rollq.ops.local.tiny_model import (
+        _write_tokenizer,  # the tiny model's tokenizer, without torch
+    )
 
     tokenizer = tmp_path / "tokenizer"
     tokenizer.mkdir()
@@ -65,7 +67,7 @@ async def test_env_started_as_documented_reaches_the_trainer_and_rides_out_resta
     async with serve_fake(fake) as vllm_url:
         api = ApiProcess(redis.url, "cmdline", tmp_path / "api.log", "--inference", vllm_url)
         await asyncio.to_thread(api.start)
-        env = Process([sys.executable, "-m", "ops.cli", "atropos-env",
+        env = Process([sys.executable, "-m", "rollq", "atropos-env",
                        "tests/atropos/lone_server_env.py", "serve",
                        "--env.rollout_server_url", api.url,
                        "--openai.server_type", "vllm",

@@ -9,7 +9,7 @@ import pytest
 server = pytest.importorskip("atroposlib.api.server",
                              reason="atroposlib is not installed (pip install rollq[atropos])")
 
-from ops.atropos import models  # noqa: E402
+from rollq.ops.atropos import models  # noqa: E402
 
 
 def _schema(model: Any) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def _schema(model: Any) -> dict[str, Any]:
     return strip(model.model_json_schema())  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("name", ["Registration", "RegisterEnv", "EnvIdentifier",
+@pytest.mark.parametrize("name", ["TrainerRegistration", "RegisterEnv", "EnvIdentifier",
                                   "ScoredData", "Status", "Info"])
 def test_model_matches_atroposlib_field_by_field(name: str) -> None:
     ours, theirs = getattr(models, name), getattr(server, name)

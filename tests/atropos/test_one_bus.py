@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.scorer.advantages import compute_advantages
-from consumers.trainer import TrainerClient
-from ops.atropos.convert import ENV_SCORE
-from schemas import decode_trajectory, encode
-from schemas.keys import stream_key
+from rollq.consumers.scorer.advantages import compute_advantages
+from rollq.consumers.trainer import TrainerClient
+from rollq.ops.atropos.convert import ENV_SCORE
+from rollq.schemas import decode_trajectory, encode
+from rollq.schemas.keys import stream_key
 from tests.atropos.helpers import REGISTRATION, api_client, atropos_group
 from tests.factories import make_group, score
 
@@ -81,9 +81,9 @@ async def test_bridge_mode_hands_posted_groups_to_the_scorers(redis: aioredis.Re
 
 async def test_the_bridge_adds_components_on_top_of_the_env_score(
         redis: aioredis.Redis) -> None:
-    from consumers.scorer.bridge import RewardBridge
-    from consumers.scorer.config import RewardConfig
-    from consumers.scorer.consumer import Scorer
+    from rollq.consumers.scorer.bridge import RewardBridge
+    from rollq.consumers.scorer.config import RewardConfig
+    from rollq.consumers.scorer.consumer import Scorer
 
     posted = atropos_group(1, messages=[[{"role": "assistant", "content": "<think>x</think>"
                                           if i else "no tags"}] for i in range(2)])

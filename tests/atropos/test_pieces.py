@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 import urllib3.response
 
-from ops.atropos.pieces import compress, gzip_join, inflate, raw_join
+from rollq.ops.atropos.pieces import compress, gzip_join, inflate, raw_join
 from tests.atropos.helpers import REGISTRATION, api_client, atropos_group, marker_of
 
 PARTS = [b'{"batch":[', b'{"a":' + b"1234567890" * 5000 + b"}", b",", b"", b'"\xc3\xa9"', b"]}"]
@@ -105,7 +105,7 @@ async def test_empty_optional_lists_come_back_as_posted(redis: aioredis.Redis) -
 
 
 def test_the_process_piece_cache_keeps_the_newest_within_its_budget() -> None:
-    from ops.atropos.kept_pieces import PieceCache
+    from rollq.ops.atropos.kept_pieces import PieceCache
 
     cache = PieceCache(budget=10)
     for i in range(4):

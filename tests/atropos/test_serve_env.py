@@ -14,7 +14,7 @@ pytest.importorskip("atroposlib", reason="atroposlib is not installed (pip insta
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig, ServerBaseline
 from atroposlib.envs.server_handling.server_manager import ServerManager
 
-from ops.atropos.serve_env import (
+from rollq.ops.atropos.serve_env import (
     PATIENCE_S,
     RETRIED,
     be_patient,
@@ -44,7 +44,7 @@ def _urls(configs: object) -> list[str]:
 
 def test_a_lone_server_config_uses_its_base_url(restored: None, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from ops.tiny_model import _write_tokenizer
+    from rollq.ops.local.tiny_model import _write_tokenizer
 
     _write_tokenizer(tmp_path, seed=0)  # the vllm server type loads its tokenizer
     lone = APIServerConfig(server_type="vllm", base_url=URL, model_name="m",
@@ -67,7 +67,7 @@ def test_tokenize_for_trainer_posts_under_transformers_5(restored: None,
     transformers = pytest.importorskip("transformers")
     from atroposlib.utils.tokenize_for_trainer import tokenize_for_trainer
 
-    from ops.tiny_model import _write_tokenizer
+    from rollq.ops.local.tiny_model import _write_tokenizer
 
     _write_tokenizer(tmp_path, seed=0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
@@ -98,7 +98,7 @@ def test_the_envs_api_calls_outlast_an_api_restart(restored: None) -> None:
 
 
 def test_a_missing_env_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from ops.atropos.serve_env import main
+    from rollq.ops.atropos.serve_env import main
 
     assert main(["no/such/env.py", "serve"]) == 2
     assert main(["not_a_target", "serve"]) == 2

@@ -26,7 +26,9 @@ GROUP_SIZE = 4  # tests.atropos.atropos_envs.GROUP_SIZE (not imported: it import
 
 @pytest.fixture
 def tokenizer_dir(tmp_path: Path) -> Path:
-    from ops.tiny_model import _write_tokenizer  # the tiny model's tokenizer, without torch
+    from rollq.ops.local.tiny_model import (
+        _write_tokenizer,  # the tiny model's tokenizer, without torch
+    )
 
     directory = tmp_path / "tokenizer"
     directory.mkdir()

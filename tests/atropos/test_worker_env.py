@@ -14,33 +14,33 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from ops.atropos.app import create_app
-from ops.settings import AtroposApiSettings
-from producers.drawn import ItemLedger
-from producers.envs.base import Item, Rollout
-from producers.inference import InferencePool, SamplingParams
-from producers.publisher import Publisher
-from producers.rollout import PolicyVersionSource, RolloutRunner
-from schemas import Completion, InferenceUnavailable, decode_trajectory
-from schemas.keys import stream_key
+from rollq.ops.atropos.app import create_app
+from rollq.ops.settings import AtroposApiSettings
+from rollq.producers.drawn import ItemLedger
+from rollq.producers.envs.base import Item, Rollout
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.producers.publisher import Publisher
+from rollq.producers.rollout import PolicyVersionSource, RolloutRunner
+from rollq.schemas import Completion, InferenceUnavailable, decode_trajectory
+from rollq.schemas.keys import stream_key
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 
 pytest.importorskip("atroposlib", reason="atroposlib is not installed (pip install rollq[atropos])")
 
-from producers.envs.atropos import (
+from rollq.producers.envs.atropos import (
     EnvSkipped,
     decode_item,
     encode_item,
     served_logprobs,
 )
-from producers.envs.registry import make_env
+from rollq.producers.envs.registry import make_env
 
 ENVS = "tests.atropos.atropos_envs"
 
 
 @pytest.fixture
 def tokenizer_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    from ops.tiny_model import _write_tokenizer
+    from rollq.ops.local.tiny_model import _write_tokenizer
 
     directory = tmp_path / "tokenizer"
     directory.mkdir()
@@ -181,7 +181,7 @@ async def test_env_errors_and_filters_follow_the_failure_taxonomy(
 
 
 def test_unknown_config_fields_and_classes_are_config_errors(tokenizer_dir: Path) -> None:
-    from schemas import ConfigError
+    from rollq.schemas import ConfigError
 
     with pytest.raises(ConfigError, match="not fields"):
         make_env(f"atropos:{ENVS}:ManagedSumsEnv", no_such_field=1)

@@ -18,14 +18,14 @@ import orjson
 import structlog
 from structlog.testing import capture_logs
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from ops.connections import open_queue_redis, open_redis
-from ops.dead import letters
-from ops.roles import run_feeder, run_scorer, run_workers
-from ops.settings import CommonSettings, FeederSettings, ScorerSettings, WorkerSettings
-from ops.status import RunStatus, collect_status
-from producers.worker import job_id
-from schemas.outage import OutageRider
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.ops.connections import open_queue_redis, open_redis
+from rollq.ops.dead import letters
+from rollq.ops.roles import run_feeder, run_scorer, run_workers
+from rollq.ops.settings import CommonSettings, FeederSettings, ScorerSettings, WorkerSettings
+from rollq.ops.status import RunStatus, collect_status
+from rollq.producers.worker import job_id
+from rollq.schemas.outage import OutageRider
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 
 PARTITIONS = 6

@@ -11,14 +11,14 @@ import pytest
 import redis.exceptions as redis_errors
 from redis.cluster import key_slot
 
-from consumers.bus import ReaderSettings, StreamReader, is_cluster, trim_streams
-from ops.cluster import ClusterClient
-from ops.connections import is_cluster_url, open_redis, queue_url
-from ops.local_cluster import LocalCluster
-from ops.settings import CommonSettings
-from producers.publisher import Publisher
-from schemas import ConfigError
-from schemas.keys import counters_key, stream_keys
+from rollq.consumers.bus import ReaderSettings, StreamReader, is_cluster, trim_streams
+from rollq.ops.cluster import ClusterClient
+from rollq.ops.connections import is_cluster_url, open_redis, queue_url
+from rollq.ops.local.cluster import LocalCluster
+from rollq.ops.settings import CommonSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas import ConfigError
+from rollq.schemas.keys import counters_key, stream_keys
 from tests.factories import make_group
 
 PARTITIONS = 6

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from redis.cluster import key_slot
 
-from ops.cli import Exit, main
-from ops.local_cluster import LocalCluster
-from schemas.keys import stream_key
+from rollq.ops.cli import Exit, main
+from rollq.ops.local.cluster import LocalCluster
+from rollq.schemas.keys import stream_key
 from tests.cluster.pipeline import dead_group_ids, run_pipeline
 from tests.redis_server import RedisServer
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ops import cluster
-from ops.cluster import REDIS_PY_INTERNALS, ClusterClient, missing_redis_py_internals
+from rollq.ops import cluster
+from rollq.ops.cluster import REDIS_PY_INTERNALS, ClusterClient, missing_redis_py_internals
 
 
 def test_every_redis_py_internal_the_cluster_client_uses_exists() -> None:

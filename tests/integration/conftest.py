@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from ops.stack import VllmProcess
+from rollq.ops.local.stack import VllmProcess
 from tests.integration.interpreters import vllm_python
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "rollq-tiny", seed=0)
 

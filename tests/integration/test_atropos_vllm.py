@@ -26,9 +26,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient
-from ops.stack import VllmProcess
-from schemas.keys import stream_key
+from rollq.consumers.trainer import TrainerClient
+from rollq.ops.local.stack import VllmProcess
+from rollq.schemas.keys import stream_key
 from tests.atropos.helpers import REGISTRATION, ApiProcess, Process, until
 from tests.redis_server import RedisServer
 
@@ -262,16 +262,16 @@ def test_atropos_envs_as_rollq_workers_on_real_vllm_survive_api_and_redis_crashe
     trainer = Trainer(api, batch_size=2 * GROUP_SIZE)
     trainer.register()
     roles = [
-        Process([sys.executable, "-m", "ops.cli", "workers", *common, "--env", env,
+        Process([sys.executable, "-m", "rollq", "workers", *common, "--env", env,
                  "--inference", vllm_url, "--group-size", str(GROUP_SIZE), "--max-tokens",
                  "16", "--concurrency", "2"], tmp_path / "workers.log",
                 # A job whose retry Redis could not record (it was down) stays claimed
                 # until its job timeout runs out, then runs again: keep that short here.
                 {**environment, "ROLLQ_JOB_TIMEOUT_S": "30"}),
-        Process([sys.executable, "-m", "ops.cli", "feed", *common, "--env", env,
+        Process([sys.executable, "-m", "rollq", "feed", *common, "--env", env,
                  "--env-option", f"items={jobs}", "--epochs", "1"],
                 tmp_path / "feed.log", environment),
-        Process([sys.executable, "-m", "ops.cli", "score", *common, "--reward-config",
+        Process([sys.executable, "-m", "rollq", "score", *common, "--reward-config",
                  str(config)], tmp_path / "score.log"),
     ]
     children.extend(roles)

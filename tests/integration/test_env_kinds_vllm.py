@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient
-from ops.cli import Exit, main
-from ops.stack import VllmProcess
+from rollq.consumers.trainer import TrainerClient
+from rollq.ops.cli import Exit, main
+from rollq.ops.local.stack import VllmProcess
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from schemas import Completion, TrajectoryGroup
+from rollq.schemas import Completion, TrajectoryGroup
 from tests.factories import score
 from tests.redis_tls import TlsRedis
 from tests.trainer.helpers import RUN, publish_scored

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from ops.demo import DemoOptions, Processes, run_demo, start_roles, trainer_argv
-from ops.stack import VllmProcess
-from producers.publisher import Publisher
-from schemas import decode_trajectory
-from schemas.keys import stream_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.ops.local.demo import DemoOptions, Processes, run_demo, start_roles, trainer_argv
+from rollq.ops.local.stack import VllmProcess
+from rollq.producers.publisher import Publisher
+from rollq.schemas import decode_trajectory
+from rollq.schemas.keys import stream_key
 from tests.redis_server import RedisServer
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
@@ -126,9 +126,9 @@ async def test_weight_reload_changes_outputs_and_stamped_version(
                 assert after["token_ids"] != before["token_ids"]
                 assert not np.allclose([e for e in after["logprobs"]["token_logprobs"]],
                                        [e for e in before["logprobs"]["token_logprobs"]])
-                from producers.envs.registry import make_env
-                from producers.inference import SamplingParams
-                from producers.worker import build_worker, connect_queue, enqueue_rollout
+                from rollq.producers.envs.registry import make_env
+                from rollq.producers.inference import SamplingParams
+                from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout
 
                 queue = await connect_queue(redis_server.url)
                 await enqueue_rollout(queue, "reload", "gsm8k", 0)

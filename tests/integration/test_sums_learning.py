@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from consumers.trainer.weights import PolicyPublisher
-from ops.demo import DemoOptions, run_demo
-from ops.demo_sums import learning_curves
-from ops.stack import VllmProcess
-from ops.warm_start import WarmStartOptions, warm_start
-from producers.envs.sums import CHANCE
+from rollq.consumers.trainer.weights import PolicyPublisher
+from rollq.ops.local.demo import DemoOptions, run_demo
+from rollq.ops.local.demo_sums import learning_curves
+from rollq.ops.local.stack import VllmProcess
+from rollq.ops.local.warm_start import WarmStartOptions, warm_start
+from rollq.producers.envs.sums import CHANCE
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]

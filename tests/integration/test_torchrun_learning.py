@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.demo import run_demo
-from ops.stack import VllmProcess
+from rollq.ops.local.demo import run_demo
+from rollq.ops.local.stack import VllmProcess
 from tests.integration.test_learning import MARGIN, options
 from tests.redis_server import RedisServer
 

@@ -22,11 +22,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
-from ops.stack import VllmProcess
-from producers.inference.params import SamplingParams
-from producers.inference.server import InferenceServer
-from schemas.keys import POLICY_VERSION_FIELD, state_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
+from rollq.ops.local.stack import VllmProcess
+from rollq.producers.inference.params import SamplingParams
+from rollq.producers.inference.server import InferenceServer
+from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key
 from tests.redis_server import RedisServer
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
@@ -282,7 +282,7 @@ TRAINER = """
 import asyncio, sys, time
 import redis.asyncio as aioredis
 from pathlib import Path
-from consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
 from tests.integration.test_weight_sync_vllm import perturbed
 
 async def main():

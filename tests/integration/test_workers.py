@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from ops.stack import VllmProcess
-from producers.envs.registry import make_env
-from producers.feeder import Feeder, FeedPlan
-from producers.inference import SamplingParams
-from producers.publisher import Publisher
-from producers.worker import build_worker, connect_queue, enqueue_rollout, job_id, queue_name
-from schemas import decode_trajectory
-from schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
+from rollq.ops.local.stack import VllmProcess
+from rollq.producers.envs.registry import make_env
+from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.inference import SamplingParams
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout, job_id, queue_name
+from rollq.schemas import decode_trajectory
+from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
 from tests.integration.recording import RecordingTransport
 from tests.redis_server import RedisServer
 from tests.waiting import until
@@ -113,7 +113,7 @@ async def test_killed_worker_job_is_rerun_with_the_same_group_id(
     await queue.aclose()
     env = {**os.environ, "ROLLQ_LOG_FORMAT": "json"}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "workers", "--redis-url", redis_server.url,
+        sys.executable, "-m", "rollq", "workers", "--redis-url", redis_server.url,
         "--run", RUN, "--inference", vllm_server.url, "--group-size", "8",
         "--max-tokens", "400", env={**env, "ROLLQ_JOB_TIMEOUT_S": "3"},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
@@ -176,7 +176,7 @@ async def test_workers_with_a_model_vllm_does_not_serve_exit_78_in_seconds(
     await queue.aclose()
     started = asyncio.get_running_loop().time()
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "workers", "--redis-url", redis_server.url,
+        sys.executable, "-m", "rollq", "workers", "--redis-url", redis_server.url,
         "--run", RUN, "--inference", vllm_server.url, "--model", "Qwen/Qwen3-8B",
         stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(process.communicate(), 60)

@@ -1,6 +1,6 @@
 """Running a ``rollq`` role as a process the way an operator does, and reading its lines.
 
-``RoleProcess.start(...)`` runs ``python -m ops.cli <role> …`` with JSON logs; ``wait_for``
+``RoleProcess.start(...)`` runs ``python -m rollq <role> …`` with JSON logs; ``wait_for``
 reads its stderr until a line with an event appears (every line read is kept in ``lines``),
 ``finish`` waits for the exit and returns the exit code and how long that took.
 """
@@ -31,7 +31,7 @@ class RoleProcess:
     @classmethod
     async def start(cls, *argv: str, **environ: str) -> RoleProcess:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ops.cli", *argv,
+            sys.executable, "-m", "rollq", *argv,
             env={**os.environ, "ROLLQ_LOG_FORMAT": "json", **environ},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         return cls(process)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from producers.publisher import Publisher
-from schemas import decode_dead
-from schemas.failures import TRAJECTORY_MISSING
-from schemas.keys import stream_key
+from rollq.producers.publisher import Publisher
+from rollq.schemas import decode_dead
+from rollq.schemas.failures import TRAJECTORY_MISSING
+from rollq.schemas.keys import stream_key
 from tests.factories import make_group
 from tests.outages.roles import QUICK_REWARD, RoleProcess
 

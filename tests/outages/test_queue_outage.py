@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ops.invocation import Exit
+from rollq.ops.cli.common import Exit
 from tests.outages.roles import RoleProcess
 
 GIVE_UP_S = 10

@@ -9,10 +9,10 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from ops.roles import run_scorer
-from ops.settings import ScorerSettings
-from producers.publisher import Publisher
-from schemas.keys import stream_key
+from rollq.ops.roles import run_scorer
+from rollq.ops.settings import ScorerSettings
+from rollq.producers.publisher import Publisher
+from rollq.schemas.keys import stream_key
 from tests.factories import make_group
 from tests.waiting import until
 
@@ -73,7 +73,7 @@ async def test_scorer_gives_up_after_its_give_up_time(make_redis_server: type,
     await until(lambda: _groups_exist(redis))
     await redis.aclose()
     await asyncio.to_thread(server.kill)
-    from schemas import BrokerUnavailable
+    from rollq.schemas import BrokerUnavailable
 
     with pytest.raises(BrokerUnavailable):
         await asyncio.wait_for(task, 20)
@@ -92,7 +92,7 @@ async def test_the_trainer_sdk_rides_out_redis_restarts(make_redis_server: type,
                                                         kill: bool) -> None:
     """A trainer waiting in next_batch while Redis restarts gets its batch after, and
     every group is trained once."""
-    from consumers.trainer import TrainerClient, TrainerClientSettings
+    from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
     from tests.trainer.helpers import publish_scored
 
     server = make_redis_server(appendonly=True).start()

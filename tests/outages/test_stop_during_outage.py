@@ -19,9 +19,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from ops.invocation import HTTP_GRACE_S
-from ops.stack import free_port
-from schemas.keys import stream_key
+from rollq.ops.lifecycle import HTTP_GRACE_S
+from rollq.ops.local.stack import free_port
+from rollq.schemas.keys import stream_key
 from tests.outages.roles import QUICK_REWARD, RoleProcess
 from tests.waiting import until
 

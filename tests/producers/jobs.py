@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from producers.worker import connect_queue, enqueue_rollout
+from rollq.producers.worker import connect_queue, enqueue_rollout
 
 
 async def enqueue_positions(url: str, run: str, env: str, positions: Iterable[int]) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from producers.envs.base import Item, Rollout
-from producers.envs.registry import make_env
+from rollq.producers.envs.base import Item, Rollout
+from rollq.producers.envs.registry import make_env
 
 
 class SlowEnv:

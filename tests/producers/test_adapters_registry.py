@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from producers.envs import (
+from rollq.producers.envs import (
     DatasetEnv,
     Env,
     EpisodeEnv,
@@ -15,8 +15,8 @@ from producers.envs import (
     SkyRLGymAdapter,
     make_env,
 )
-from producers.inference import InferencePool, SamplingParams
-from schemas import ConfigError
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.schemas import ConfigError
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 
 

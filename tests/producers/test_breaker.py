@@ -9,16 +9,17 @@ import asyncio
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from ops.dead import letters, requeue
-from ops.invocation import Exit
-from ops.runs import command as runs_command
-from ops.stack import free_port
-from ops.status import collect_status, render_status
-from producers.envs.registry import make_env
-from producers.feeder import Feeder, FeedPlan
-from producers.inference import SamplingParams
-from producers.publisher import Publisher
-from producers.worker import (
+from rollq.ops.cli import build_parser
+from rollq.ops.cli.common import Exit
+from rollq.ops.cli.runs import runs as runs_command
+from rollq.ops.dead import letters, requeue
+from rollq.ops.local.stack import free_port
+from rollq.ops.status import collect_status, render_status
+from rollq.producers.envs.registry import make_env
+from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.inference import SamplingParams
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import (
     build_worker,
     connect_queue,
     enqueue_rollout,
@@ -26,8 +27,14 @@ from producers.worker import (
     queue_name,
     requeue_rollout,
 )
-from schemas import breaker
-from schemas.keys import ADMITTED_FIELD, CONSUMED_COUNTER, counters_key, readmit_key, state_key
+from rollq.schemas import breaker
+from rollq.schemas.keys import (
+    ADMITTED_FIELD,
+    CONSUMED_COUNTER,
+    counters_key,
+    readmit_key,
+    state_key,
+)
 from tests.redis_server import RedisServer
 from tests.waiting import until
 
@@ -94,10 +101,8 @@ async def test_a_broken_inference_url_stops_admission_within_twice_the_budget(
                                             f"{tripped.streak} rollout jobs of run '{RUN}'")
 
     # `rollq runs resume RUN` closes it: the feeder admits again.
-    args = type("Args", (), {"action": "resume", "name": RUN, "config": None,
-                             "redis_url": redis_server.url, "run": None, "log_format": None,
-                             "log_level": None, "metrics_port": None})()
-    assert await runs_command(args, {}) == Exit.OK  # type: ignore[arg-type]
+    args = build_parser().parse_args(["runs", "resume", RUN, "--redis-url", redis_server.url])
+    assert await runs_command(args, {}) == Exit.OK
     assert await breaker.read(real_redis, RUN) is None
     queue = await connect_queue(redis_server.url)
     try:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from producers.data.make_sample import make_problems
-from producers.envs import (
+from rollq.producers.data.make_sample import make_problems
+from rollq.producers.envs import (
     GSM8K,
     MATH,
     DatasetEnv,
@@ -21,9 +21,9 @@ from producers.envs import (
     math_env,
     parse_gsm8k_answer,
 )
-from producers.envs.registry import sample_path
-from producers.inference import InferencePool, SamplingParams
-from schemas import ConfigError, ContractError
+from rollq.producers.envs.registry import sample_path
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.schemas import ConfigError, ContractError
 from tests.producers.fake_vllm import FakeVLLM, encode_text, fake_transport, render_chat
 
 MATH_ROWS = [{"problem": "What is $1/2 + 1/2$?",

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient
-from ops.cli import Exit, main
-from producers.envs import EpisodeEnv, RecordEpisodeEnv, make_env
-from producers.envs.episode import GatewayEpisodeEnv
-from producers.envs.kinds import DEFAULT_MAX_EPISODE_TURNS
-from producers.inference import InferencePool, SamplingParams
-from schemas import ConfigError
+from rollq.consumers.trainer import TrainerClient
+from rollq.ops.cli import Exit, main
+from rollq.producers.envs import EpisodeEnv, RecordEpisodeEnv, make_env
+from rollq.producers.envs.episode import GatewayEpisodeEnv
+from rollq.producers.envs.kinds import DEFAULT_MAX_EPISODE_TURNS
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.schemas import ConfigError
 from tests.agents.agents import QUESTIONS
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import tool_script

@@ -11,11 +11,11 @@ import redis.exceptions as redis_errors
 import structlog
 from structlog.testing import capture_logs
 
-from producers.feeder import CURSOR_FIELD, Feeder, FeedPlan
-from producers.publisher import Publisher
-from producers.worker import connect_queue, enqueue_rollout, queue_name
-from schemas.keys import ADMITTED_FIELD, POLICY_VERSION_FIELD, counters_key, state_key
-from schemas.outage import OutageRider
+from rollq.producers.feeder import CURSOR_FIELD, Feeder, FeedPlan
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import connect_queue, enqueue_rollout, queue_name
+from rollq.schemas.keys import ADMITTED_FIELD, POLICY_VERSION_FIELD, counters_key, state_key
+from rollq.schemas.outage import OutageRider
 from tests.redis_server import RedisServer
 
 RUN = "feeders"

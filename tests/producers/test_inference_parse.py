@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from producers.inference import (
+from rollq.producers.inference import (
     Backoff,
     InferencePool,
     InferenceRequestError,
@@ -19,8 +19,8 @@ from producers.inference import (
     PromptTooLongError,
     SamplingParams,
 )
-from producers.inference.parse import parse_generate
-from schemas import ContractError
+from rollq.producers.inference.parse import parse_generate
+from rollq.schemas import ContractError
 from tests.producers.fake_vllm import SCALE_OUT_DISABLED
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm"

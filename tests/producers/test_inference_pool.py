@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from producers.inference import (
+from rollq.producers.inference import (
     Backoff,
     GenerationAborted,
     InferencePool,
@@ -16,7 +16,7 @@ from producers.inference import (
     PauseTimeout,
     SamplingParams,
 )
-from schemas import ConfigError, ContractError, InferenceUnavailable, TransientError
+from rollq.schemas import ConfigError, ContractError, InferenceUnavailable, TransientError
 from tests.producers.fake_vllm import EOS, FakeVLLM, fake_transport, logprob_of
 
 FAST = Backoff(initial_s=0.001, multiplier=2.0, max_s=0.005, jitter=0.5)

@@ -17,13 +17,13 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from producers.admission import outstanding
-from producers.envs.base import Env, Item, Rollout
-from producers.envs.registry import make_env
-from producers.feeder import Feeder, FeedPlan
-from producers.inference import SamplingParams
-from producers.publisher import Publisher
-from producers.worker import (
+from rollq.producers.admission import outstanding
+from rollq.producers.envs.base import Env, Item, Rollout
+from rollq.producers.envs.registry import make_env
+from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.inference import SamplingParams
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import (
     build_worker,
     connect_queue,
     enqueue_rollout,
@@ -31,14 +31,14 @@ from producers.worker import (
     queue_name,
     requeue_rollout,
 )
-from schemas import (
+from rollq.schemas import (
     BrokerUnavailable,
     ContractError,
     InferenceUnavailable,
     decode_dead,
     decode_trajectory,
 )
-from schemas.keys import (
+from rollq.schemas.keys import (
     ADMITTED_FIELD,
     CONSUMED_COUNTER,
     POLICY_VERSION_FIELD,
@@ -345,8 +345,8 @@ async def test_jobs_retry_concurrently_and_name_the_server_and_the_cause(
 
 CHILD_WORKER = """
 import asyncio, sys
-from producers.inference import SamplingParams
-from producers.worker import build_worker
+from rollq.producers.inference import SamplingParams
+from rollq.producers.worker import build_worker
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.producers.slow_env import SlowEnv
 

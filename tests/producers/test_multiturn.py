@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from producers.envs import (
+from rollq.producers.envs import (
     EpisodeEnv,
     EpisodeRunner,
     GuessGame,
@@ -18,9 +18,9 @@ from producers.envs import (
     TextTemplate,
     TruncatedTurn,
 )
-from producers.envs.observations import close_turn
-from producers.inference import InferencePool, SamplingParams
-from schemas import ConfigError
+from rollq.producers.envs.observations import close_turn
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.schemas import ConfigError
 from tests.producers.fake_vllm import (
     EOS,
     IM_END,

@@ -13,11 +13,11 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from ops.stack import free_port
-from producers.inference.served import check_served, mismatch
-from producers.worker import connect_queue, enqueue_rollout, queue_name
-from schemas import ConfigError
-from schemas.keys import stream_key
+from rollq.ops.local.stack import free_port
+from rollq.producers.inference.served import check_served, mismatch
+from rollq.producers.worker import connect_queue, enqueue_rollout, queue_name
+from rollq.schemas import ConfigError
+from rollq.schemas.keys import stream_key
 from tests.producers.fake_vllm import FakeVLLM
 from tests.producers.fake_vllm_server import serve_fake
 from tests.redis_server import RedisServer
@@ -28,7 +28,7 @@ RUN = "served"
 
 async def start_workers(redis_url: str, inference: str, model: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "workers", "--run", RUN, "--redis-url", redis_url,
+        sys.executable, "-m", "rollq", "workers", "--run", RUN, "--redis-url", redis_url,
         "--inference", inference, "--model", model, "--log-format", "json",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 

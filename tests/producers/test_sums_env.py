@@ -7,15 +7,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from consumers.scorer import RewardConfig
-from consumers.scorer.sample import Sample
-from consumers.scorer.traces import extract_reasoning
-from producers.data.make_sums import make_sums, write_sums
-from producers.envs import DatasetEnv
-from producers.envs.registry import make_env
-from producers.envs.sums import CHANCE, sums_env, sums_path, sums_records
-from producers.inference import InferencePool, SamplingParams
-from schemas import ConfigError
+from rollq.consumers.scorer import RewardConfig
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.scorer.traces import extract_reasoning
+from rollq.producers.data.make_sums import make_sums, write_sums
+from rollq.producers.envs import DatasetEnv
+from rollq.producers.envs.registry import make_env
+from rollq.producers.envs.sums import CHANCE, sums_env, sums_path, sums_records
+from rollq.producers.inference import InferencePool, SamplingParams
+from rollq.schemas import ConfigError
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 
 SUMS_REWARD = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "sums.yaml"

@@ -14,9 +14,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from bench.workers import FakeServerProcess
-from producers.publisher import Publisher
-from producers.worker import connect_queue, enqueue_rollout, job_id
-from schemas.keys import stream_key
+from rollq.producers.publisher import Publisher
+from rollq.producers.worker import connect_queue, enqueue_rollout, job_id
+from rollq.schemas.keys import stream_key
 from tests.redis_server import RedisServer
 from tests.waiting import until
 
@@ -32,7 +32,7 @@ def inference() -> Iterator[str]:
 
 async def start_workers(redis_url: str, inference: str, env: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "ops.cli", "workers", "--redis-url", redis_url, "--run", RUN,
+        sys.executable, "-m", "rollq", "workers", "--redis-url", redis_url, "--run", RUN,
         "--inference", inference, "--env", env, "--group-size", "2", "--max-tokens", "8",
         env={**os.environ, "ROLLQ_LOG_FORMAT": "json"},
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)

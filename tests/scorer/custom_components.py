@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from consumers.scorer import ComponentSettings, RewardComponent, Sample
-from consumers.scorer.components import Placement
+from rollq.consumers.scorer import ComponentSettings, RewardComponent, Sample
+from rollq.consumers.scorer.components import Placement
 
 
 class ScaledLengthSettings(ComponentSettings):

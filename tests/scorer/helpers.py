@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from consumers.scorer import Sample, extract_reasoning
+from rollq.consumers.scorer import Sample, extract_reasoning
 
 
 def make_sample(

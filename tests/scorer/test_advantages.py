@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from consumers.scorer import (
+from rollq.consumers.scorer import (
     AdvantageMethod,
     broadcast_advantages,
     compute_advantages,

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from consumers.scorer import (
+from rollq.consumers.scorer import (
     ComponentSettings,
     MissingFieldError,
     RewardBridge,

@@ -25,17 +25,17 @@ from typing import Any
 
 import pytest
 
-from consumers.scorer import RewardBridge, RewardConfig, ScoringError
-from consumers.scorer.components.code import (
+from rollq.consumers.scorer import RewardBridge, RewardConfig, ScoringError
+from rollq.consumers.scorer.components.code import (
     CodeExecution,
     CodeSettings,
     extract_code,
     parse_tests,
     same_output,
 )
-from consumers.scorer.errors import MissingFieldError, RewardConfigError
-from consumers.scorer.sandbox import Sandbox, SandboxLimits, sandbox_processes
-from schemas.failures import REWARD_ERROR, classify
+from rollq.consumers.scorer.errors import MissingFieldError, RewardConfigError
+from rollq.consumers.scorer.sandbox import Sandbox, SandboxLimits, sandbox_processes
+from rollq.schemas.failures import REWARD_ERROR, classify
 from tests.scorer.helpers import make_sample
 
 if os.geteuid() != 0 or not hasattr(os, "pidfd_open"):

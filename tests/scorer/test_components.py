@@ -7,7 +7,7 @@ from typing import Any
 import pydantic
 import pytest
 
-from consumers.scorer.components import (
+from rollq.consumers.scorer.components import (
     Accuracy,
     AccuracySettings,
     Cosine,
@@ -29,7 +29,7 @@ from consumers.scorer.components import (
     TagCount,
     TagCountSettings,
 )
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.sample import Sample
 from tests.scorer.helpers import make_sample
 
 R1_TEXT = "<think>\nabc\n</think>\n<answer>\n42\n</answer>"
@@ -297,8 +297,8 @@ def test_reasoning_steps(text: str, expected: float) -> None:
 
 
 def test_char_fraction_counts_matching_characters() -> None:
-    from consumers.scorer.components import CharFraction
-    from consumers.scorer.components.char_fraction import CharFractionSettings
+    from rollq.consumers.scorer.components import CharFraction
+    from rollq.consumers.scorer.components.char_fraction import CharFractionSettings
 
     component = CharFraction(CharFractionSettings())
     assert component.score(make_sample("a1b2"), []) == 0.5

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from consumers.scorer import RewardConfig, RewardConfigError
+from rollq.consumers.scorer import RewardConfig, RewardConfigError
 
 YAML = """\
 preset: r1

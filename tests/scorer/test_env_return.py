@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from consumers.scorer.components import COMPONENTS, EnvReturn, resolve_component
-from consumers.scorer.components.env_return import EnvReturnSettings
+from rollq.consumers.scorer.components import COMPONENTS, EnvReturn, resolve_component
+from rollq.consumers.scorer.components.env_return import EnvReturnSettings
 from tests.scorer.helpers import make_sample
 
 

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumers.scorer.components import Format, FormatSettings
-from consumers.scorer.components.format import FORMAT_PRESETS, matches_think_preset
-from consumers.scorer.traces import find_tag
+from rollq.consumers.scorer.components import Format, FormatSettings
+from rollq.consumers.scorer.components.format import FORMAT_PRESETS, matches_think_preset
+from rollq.consumers.scorer.traces import find_tag
 
 THINK = re.compile(FORMAT_PRESETS["think"], re.DOTALL | re.MULTILINE)
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumers.scorer import COMPONENTS, GroupScore, RewardBridge, RewardConfig, Sample
+from rollq.consumers.scorer import COMPONENTS, GroupScore, RewardBridge, RewardConfig, Sample
 from tests.scorer.helpers import make_sample
 
 SETTINGS: dict[str, dict[str, Any]] = {

@@ -9,8 +9,8 @@ import httpx
 import numpy as np
 import pytest
 
-from consumers.scorer import Sample, ScoringError
-from consumers.scorer.components import ProcessReward, ProcessSettings
+from rollq.consumers.scorer import Sample, ScoringError
+from rollq.consumers.scorer.components import ProcessReward, ProcessSettings
 from tests.scorer.helpers import make_sample
 
 # One token per char (make_sample's default), so token indices equal char positions.

@@ -15,16 +15,16 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.bus import ReaderSettings, StreamReader
-from consumers.scorer import RewardBridge, RewardConfig, ScoringError
-from consumers.scorer import bridge as bridge_module
-from consumers.scorer.consumer import Scorer
-from consumers.scorer.pool import WorkerPool
-from consumers.stage import Stage
-from producers.publisher import Publisher
-from schemas import decode_dead
-from schemas.failures import MISSING_FIELD, REWARD_ERROR
-from schemas.keys import counters_key, stream_key
+from rollq.consumers.bus import ReaderSettings, StreamReader
+from rollq.consumers.scorer import RewardBridge, RewardConfig, ScoringError
+from rollq.consumers.scorer import bridge as bridge_module
+from rollq.consumers.scorer.consumer import Scorer
+from rollq.consumers.scorer.pool import WorkerPool
+from rollq.consumers.stage import Stage
+from rollq.producers.publisher import Publisher
+from rollq.schemas import decode_dead
+from rollq.schemas.failures import MISSING_FIELD, REWARD_ERROR
+from rollq.schemas.keys import counters_key, stream_key
 from tests.factories import make_group
 from tests.redis_server import free_port
 from tests.scorer.helpers import make_sample

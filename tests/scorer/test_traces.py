@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.scorer import Trace, extract_reasoning
+from rollq.consumers.scorer import Trace, extract_reasoning
 
 CASES = [
     # (id, text, server reasoning, reasoning, answer, source, closed, preamble)

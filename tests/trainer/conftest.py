@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from consumers.trainer import layout
-from schemas import ScoredGroup
+from rollq.consumers.trainer import layout
+from rollq.schemas import ScoredGroup
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 import httpx
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from schemas import ScoredGroup, TrajectoryGroup, encode
-from schemas.keys import PARTITIONS_FIELD, counters_key, partition_of, state_key, stream_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.schemas import ScoredGroup, TrajectoryGroup, encode
+from rollq.schemas.keys import PARTITIONS_FIELD, counters_key, partition_of, state_key, stream_key
 from tests.factories import make_group, score
 
 RUN = "test"

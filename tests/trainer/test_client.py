@@ -12,9 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from schemas import decode_dead
-from schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
-from schemas.runs import register_run
+from rollq.schemas import decode_dead
+from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
+from rollq.schemas.runs import register_run
 from tests.factories import make_group
 from tests.trainer.helpers import RUN, client, counter, publish_many, publish_scored
 

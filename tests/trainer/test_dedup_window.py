@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient, TrainerClientSettings
-from consumers.trainer.ledger import SEEN_BUCKETS
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.consumers.trainer.ledger import SEEN_BUCKETS
 from tests.factories import make_group
 from tests.trainer.helpers import RUN, counter, publish_scored
 

@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from consumers.trainer import layout, pack_groups, pad_groups
-from consumers.trainer.batch import EntryRef, build_batch
-from schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup, encode
-from schemas.columns import ScoredColumns
-from schemas.decoding import decode_scored_columns
+from rollq.consumers.trainer import layout, pack_groups, pad_groups
+from rollq.consumers.trainer.batch import EntryRef, build_batch
+from rollq.schemas import Completion, ScoredGroup, SequenceScore, TrajectoryGroup, encode
+from rollq.schemas.columns import ScoredColumns
+from rollq.schemas.decoding import decode_scored_columns
 
 
 def tiny_group() -> ScoredGroup:

@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from schemas import BrokerUnavailable
-from schemas.keys import stream_key
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.keys import stream_key
 from tests.trainer.helpers import RUN, client, counter, publish_many
 from tests.waiting import until
 

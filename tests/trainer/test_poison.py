@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import Batch, layout
-from schemas import ScoredGroup, TrajectoryGroup, decode_dead, encode, trajectory_ref
-from schemas.keys import PARTITIONS_FIELD, state_key, stream_key
+from rollq.consumers.trainer import Batch, layout
+from rollq.schemas import ScoredGroup, TrajectoryGroup, decode_dead, encode, trajectory_ref
+from rollq.schemas.keys import PARTITIONS_FIELD, state_key, stream_key
 from tests.factories import make_group, score
 from tests.trainer.helpers import RUN, client, counter, publish_scored
 

@@ -20,9 +20,9 @@ import redis as sync_redis
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from consumers.trainer import SyncTrainerClient, TrainerClient
-from schemas import decode_dead
-from schemas.keys import stream_key
+from rollq.consumers.trainer import SyncTrainerClient, TrainerClient
+from rollq.schemas import decode_dead
+from rollq.schemas.keys import stream_key
 from tests.factories import make_group
 from tests.redis_server import RedisServer
 from tests.trainer.helpers import FAST, RUN, client, counter, publish_many, publish_scored

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import consumers.trainer as sdk
+import rollq.consumers.trainer as sdk
 
 
 def test_trainer_sdk_public_surface_is_pinned() -> None:
@@ -18,7 +18,7 @@ def test_trainer_sdk_public_surface_is_pinned() -> None:
 
 
 def test_sdk_errors_sit_in_the_one_tree() -> None:
-    from schemas import RollqError, TransientError
+    from rollq.schemas import RollqError, TransientError
 
     assert issubclass(sdk.WeightSyncError, RollqError)
     assert not issubclass(sdk.WeightSyncError, TransientError)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumers.trainer import (
+from rollq.consumers.trainer import (
     DataParallelSteps,
     RankShard,
     SyncTrainerClient,
@@ -21,7 +21,7 @@ from consumers.trainer import (
     pack_groups,
     plan_shards,
 )
-from consumers.trainer.ranks import shard_batch
+from rollq.consumers.trainer.ranks import shard_batch
 from tests.factories import make_group, score
 from tests.redis_server import RedisServer
 from tests.trainer.helpers import RUN, publish_many

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import ResumeError, TrainerClient
-from schemas import BrokerUnavailable
-from schemas.keys import stream_key
+from rollq.consumers.trainer import ResumeError, TrainerClient
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.keys import stream_key
 from tests.factories import make_group
 from tests.trainer.helpers import RUN, client, counter, publish_many, publish_scored
 

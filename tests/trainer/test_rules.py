@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consumers.trainer import BatchSize, is_stale
+from rollq.consumers.trainer import BatchSize, is_stale
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import pytest
 import redis as sync_redis
 import redis.asyncio as aioredis
 
-from consumers.trainer import SyncTrainerClient, TrainerClientSettings
-from schemas import encode
-from schemas.keys import counters_key, state_key, stream_key
+from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings
+from rollq.schemas import encode
+from rollq.schemas.keys import counters_key, state_key, stream_key
 from tests.factories import make_group, score
 from tests.redis_server import RedisServer
 from tests.trainer.helpers import FakeVllm

@@ -12,8 +12,8 @@ from urllib.parse import quote
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import SyncTrainerClient, TrainerClientSettings
-from schemas import ConfigError
+from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings
+from rollq.schemas import ConfigError
 from tests.factories import make_group
 from tests.redis_tls import TlsRedis
 from tests.trainer.helpers import RUN, publish_scored

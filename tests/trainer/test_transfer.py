@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from consumers.trainer.transfer import DISCARD, ServerFanout, ServersFailed, chunks
+from rollq.consumers.trainer.transfer import DISCARD, ServerFanout, ServersFailed, chunks
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
 

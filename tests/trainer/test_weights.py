@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
-from schemas import BrokerUnavailable
-from schemas.keys import POLICY_VERSION_FIELD, state_key
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
+from rollq.schemas import BrokerUnavailable
+from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key
 from tests.trainer.helpers import RUN, FakeVllm
 
 SEQUENCE = ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache",

@@ -5,19 +5,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from consumers.scorer.components.accuracy import Accuracy, AccuracySettings
-from consumers.scorer.components.base import (
+from rollq.consumers.scorer.components.accuracy import Accuracy, AccuracySettings
+from rollq.consumers.scorer.components.base import (
     ComponentSettings,
     Placement,
     Population,
     RewardComponent,
     Score,
 )
-from consumers.scorer.components.char_fraction import CharFraction
-from consumers.scorer.components.code import CodeExecution
-from consumers.scorer.components.env_return import EnvReturn
-from consumers.scorer.components.env_score import EnvScore
-from consumers.scorer.components.format import (
+from rollq.consumers.scorer.components.char_fraction import CharFraction
+from rollq.consumers.scorer.components.code import CodeExecution
+from rollq.consumers.scorer.components.env_return import EnvReturn
+from rollq.consumers.scorer.components.env_score import EnvScore
+from rollq.consumers.scorer.components.format import (
     Format,
     FormatMarkers,
     FormatMarkersSettings,
@@ -26,7 +26,7 @@ from consumers.scorer.components.format import (
     TagCount,
     TagCountSettings,
 )
-from consumers.scorer.components.length import (
+from rollq.consumers.scorer.components.length import (
     Cosine,
     CosineSettings,
     KimiLength,
@@ -36,9 +36,9 @@ from consumers.scorer.components.length import (
     SoftOverlong,
     SoftOverlongSettings,
 )
-from consumers.scorer.components.process import PrmSettings, ProcessReward, ProcessSettings
-from consumers.scorer.components.reasoning_steps import ReasoningSteps, ReasoningStepsSettings
-from consumers.scorer.components.repetition import Repetition, RepetitionSettings
+from rollq.consumers.scorer.components.process import PrmSettings, ProcessReward, ProcessSettings
+from rollq.consumers.scorer.components.reasoning_steps import ReasoningSteps, ReasoningStepsSettings
+from rollq.consumers.scorer.components.repetition import Repetition, RepetitionSettings
 
 COMPONENTS: dict[str, type[RewardComponent[Any]]] = {
     "accuracy": Accuracy,

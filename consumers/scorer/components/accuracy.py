@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from consumers.scorer.components.base import ComponentSettings, Placement, RewardComponent
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.components.base import ComponentSettings, Placement, RewardComponent
+from rollq.consumers.scorer.sample import Sample
 
 
 class AccuracySettings(ComponentSettings):

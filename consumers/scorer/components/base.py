@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.sample import Sample
 
 
 def _compiles(pattern: str) -> str:

@@ -12,8 +12,8 @@ import re
 from collections.abc import Sequence
 from functools import cached_property
 
-from consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
+from rollq.consumers.scorer.sample import Sample
 
 
 class CharFractionSettings(ComponentSettings):

@@ -37,10 +37,10 @@ from typing import Any, Literal
 import httpx
 from pydantic import Field, field_validator
 
-from consumers.scorer.components.base import ComponentSettings, Placement, RewardComponent
-from consumers.scorer.errors import ScoringError
-from consumers.scorer.sample import Sample
-from consumers.scorer.sandbox import Sandbox, SandboxLimits
+from rollq.consumers.scorer.components.base import ComponentSettings, Placement, RewardComponent
+from rollq.consumers.scorer.errors import ScoringError
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.scorer.sandbox import Sandbox, SandboxLimits
 
 Extraction = Literal["fenced_or_whole", "fenced", "whole"]
 Comparison = Literal["exact", "lines", "tokens"]

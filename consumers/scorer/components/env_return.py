@@ -11,7 +11,7 @@ added its penalty to that sum.
 
 from __future__ import annotations
 
-from consumers.scorer.components.env_score import EnvScore, EnvScoreSettings
+from rollq.consumers.scorer.components.env_score import EnvScore, EnvScoreSettings
 
 
 class EnvReturnSettings(EnvScoreSettings):

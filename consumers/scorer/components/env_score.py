@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from consumers.scorer.components.base import ComponentSettings, RewardComponent
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.components.base import ComponentSettings, RewardComponent
+from rollq.consumers.scorer.sample import Sample
 
 
 class EnvScoreSettings(ComponentSettings):

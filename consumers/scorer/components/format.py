@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
-from consumers.scorer.sample import Region, Sample
-from consumers.scorer.traces import find_tag
+from rollq.consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
+from rollq.consumers.scorer.sample import Region, Sample
+from rollq.consumers.scorer.traces import find_tag
 
 FORMAT_PRESETS: dict[str, str] = {
     # open-r1 format_reward.

@@ -9,12 +9,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from consumers.scorer.components.base import (
+from rollq.consumers.scorer.components.base import (
     ComponentSettings,
     Population,
     RewardComponent,
 )
-from consumers.scorer.sample import LengthUnit, Sample
+from rollq.consumers.scorer.sample import LengthUnit, Sample
 
 
 class LengthBountySettings(ComponentSettings):

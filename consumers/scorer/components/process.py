@@ -21,14 +21,14 @@ import numpy as np
 from numpy.typing import NDArray
 from pydantic import Field, model_validator
 
-from consumers.scorer.components.base import (
+from rollq.consumers.scorer.components.base import (
     ComponentSettings,
     Placement,
     RewardComponent,
     Score,
 )
-from consumers.scorer.errors import ScoringError
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.errors import ScoringError
+from rollq.consumers.scorer.sample import Sample
 
 _BLANK_LINES = re.compile(r"\n[ \t]*\n\s*")
 

@@ -8,8 +8,8 @@ from functools import cached_property
 
 from pydantic import Field
 
-from consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.components.base import ComponentSettings, Regex, RewardComponent
+from rollq.consumers.scorer.sample import Sample
 
 
 class ReasoningStepsSettings(ComponentSettings):

@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from consumers.scorer.components.base import ComponentSettings, RewardComponent
-from consumers.scorer.sample import Sample
+from rollq.consumers.scorer.components.base import ComponentSettings, RewardComponent
+from rollq.consumers.scorer.sample import Sample
 
 
 class RepetitionSettings(ComponentSettings):

@@ -21,24 +21,24 @@ The whole API:
   token ids: ``capture.session``.
 """
 
-from producers.inference.capture.client import EpisodeClient
-from producers.inference.capture.gateways import (
+from rollq.producers.inference.capture.client import EpisodeClient
+from rollq.producers.inference.capture.gateways import (
     CaptureTransport,
     EpisodeGateway,
     LocalGateway,
     OpenEpisode,
     RemoteGateway,
 )
-from producers.inference.capture.hub import CaptureHub, GatewayReply, UnknownEpisode
-from producers.inference.capture.record import (
+from rollq.producers.inference.capture.hub import CaptureHub, GatewayReply, UnknownEpisode
+from rollq.producers.inference.capture.record import (
     CapturedCall,
     CapturedEpisode,
     CapturedSequence,
     CaptureStats,
     assemble_sequences,
 )
-from producers.inference.capture.session import EpisodeCapture, EpisodeClosed
-from producers.inference.capture.upstream import Upstream
+from rollq.producers.inference.capture.session import EpisodeCapture, EpisodeClosed
+from rollq.producers.inference.capture.upstream import Upstream
 
 __all__ = [
     "CaptureHub",

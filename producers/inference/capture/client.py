@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from producers.inference.capture.replies import ChatCompletion, TextCompletion
-from producers.inference.capture.session import EpisodeCapture
-from producers.inference.errors import InferenceRequestError
+from rollq.producers.inference.capture.replies import ChatCompletion, TextCompletion
+from rollq.producers.inference.capture.session import EpisodeCapture
+from rollq.producers.inference.errors import InferenceRequestError
 
 _IGNORED = ("model", "extra_headers", "extra_query", "timeout")
 

@@ -25,11 +25,11 @@ from typing import Any, Protocol
 
 import httpx
 
-from producers.inference.capture.hub import CaptureHub
-from producers.inference.capture.listener import LoopbackListener
-from producers.inference.capture.record import CapturedEpisode
-from producers.inference.capture.session import PolicyVersionReader
-from schemas import ContractError, InferenceUnavailable
+from rollq.producers.inference.capture.hub import CaptureHub
+from rollq.producers.inference.capture.listener import LoopbackListener
+from rollq.producers.inference.capture.record import CapturedEpisode
+from rollq.producers.inference.capture.session import PolicyVersionReader
+from rollq.schemas import ContractError, InferenceUnavailable
 
 
 @dataclass(frozen=True)

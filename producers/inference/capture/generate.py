@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from producers.inference.capture.upstream import Upstream
-from producers.inference.errors import InferenceRequestError, InferenceResponseError
-from producers.inference.parse import parse_completions
+from rollq.producers.inference.capture.upstream import Upstream
+from rollq.producers.inference.errors import InferenceRequestError, InferenceResponseError
+from rollq.producers.inference.parse import parse_completions
 
 _NOT_SAMPLING = ("prompt", "stream", "model", "output_kind", "logprobs", "prompt_logprobs")
 _TOKEN_ID = "token_id:"

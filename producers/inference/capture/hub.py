@@ -39,15 +39,15 @@ from typing import Any
 import orjson
 import structlog
 
-from producers.inference.capture.record import CapturedEpisode
-from producers.inference.capture.session import (
+from rollq.producers.inference.capture.record import CapturedEpisode
+from rollq.producers.inference.capture.session import (
     ContinuationCheck,
     EpisodeCapture,
     EpisodeClosed,
 )
-from producers.inference.capture.upstream import Upstream
-from producers.inference.errors import InferenceRequestError
-from schemas import ContractError, InferenceUnavailable
+from rollq.producers.inference.capture.upstream import Upstream
+from rollq.producers.inference.errors import InferenceRequestError
+from rollq.schemas import ContractError, InferenceUnavailable
 
 log = structlog.get_logger("rollq.gateway")
 

@@ -22,7 +22,7 @@ import socket
 import h11
 import structlog
 
-from producers.inference.capture.hub import CaptureHub, GatewayReply
+from rollq.producers.inference.capture.hub import CaptureHub, GatewayReply
 
 log = structlog.get_logger("rollq.capture")
 

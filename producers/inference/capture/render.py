@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from schemas import ConfigError
+from rollq.schemas import ConfigError
 
 log = structlog.get_logger("rollq.capture")
 

@@ -60,18 +60,18 @@ from typing import Any, Literal
 
 import structlog
 
-from producers.inference.capture.record import (
+from rollq.producers.inference.capture.record import (
     CapturedCall,
     CapturedEpisode,
     CaptureStats,
     assemble_sequences,
 )
-from producers.inference.capture.toolcalls import parse_hermes
-from producers.inference.capture.upstream import Upstream
-from producers.inference.errors import InferenceRequestError
-from producers.inference.parse import parse_chat, parse_completions
-from producers.inference.turns import close_turn
-from schemas import ContractError, InferenceUnavailable
+from rollq.producers.inference.capture.toolcalls import parse_hermes
+from rollq.producers.inference.capture.upstream import Upstream
+from rollq.producers.inference.errors import InferenceRequestError
+from rollq.producers.inference.parse import parse_chat, parse_completions
+from rollq.producers.inference.turns import close_turn
+from rollq.schemas import ContractError, InferenceUnavailable
 
 log = structlog.get_logger("rollq.capture")
 

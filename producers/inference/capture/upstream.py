@@ -22,11 +22,11 @@ from typing import Any
 
 import structlog
 
-from producers.inference import GenerationAborted, InferencePool, InferenceServer
-from producers.inference.capture.render import PROBE_MESSAGES, PROBE_TOOLS, LocalTemplate
-from producers.inference.errors import InferenceRequestError
-from producers.inference.parse import parse_tokens
-from producers.inference.turns import probe_turn_end
+from rollq.producers.inference import GenerationAborted, InferencePool, InferenceServer
+from rollq.producers.inference.capture.render import PROBE_MESSAGES, PROBE_TOOLS, LocalTemplate
+from rollq.producers.inference.errors import InferenceRequestError
+from rollq.producers.inference.parse import parse_tokens
+from rollq.producers.inference.turns import probe_turn_end
 
 log = structlog.get_logger("rollq.capture")
 

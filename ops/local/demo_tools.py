@@ -1,7 +1,7 @@
 """The ``tools`` task of the demo: its reward, the ``rollq gateway`` the workers' agents talk
 through, and greedy evaluations of the served policy by the same agent, straight to vLLM.
 
-Evaluation rows have the ``sums`` rows' names (``ops.demo_sums.learning_curves`` reads both):
+Evaluation rows have the ``sums`` rows' names (``ops.local.demo_sums.learning_curves`` reads both):
 ``accuracy`` is the agent's reward (it called ``calc`` and then answered the right sum),
 ``format`` the share of episodes whose first reply was a well-formed ``calc`` call."""
 
@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import openai
 
-from ops.demo_sums import SumsEvaluation
-from producers.envs.sums import sums_records
-from producers.envs.tools import CalculatorAgent, EpisodeOutcome
+from rollq.ops.local.demo_sums import SumsEvaluation
+from rollq.producers.envs.sums import sums_records
+from rollq.producers.envs.tools import CalculatorAgent, EpisodeOutcome
 
 TOOLS_REWARD = Path(__file__).resolve().parent.parent / "examples" / "rewards" / "tools.yaml"
 
@@ -67,7 +67,7 @@ def gateway_argv(inference: str, port: int) -> list[str]:
     """``rollq gateway`` in front of ``inference`` on a loopback ``port``. Continuations are
     checked after they are sent: the warm-started model's calls re-render as it wrote them,
     so no ``/tokenize`` round trip is paid unless a reply drifts."""
-    return [sys.executable, "-m", "ops.cli", "gateway", "--host", "127.0.0.1", "--port",
+    return [sys.executable, "-m", "rollq", "gateway", "--host", "127.0.0.1", "--port",
             str(port), "--inference", inference, "--continuation-check", "after",
             "--log-format", "json", "--log-level", "warning"]
 

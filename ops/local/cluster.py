@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ops.process_groups import kill_group, stop_group
+from rollq.ops.local.process_groups import kill_group, stop_group
 
 
 def cluster_port() -> int:

