@@ -1,7 +1,7 @@
 """The settings reference page, ``docs/reference/settings.md``, generated from the models.
 
 A setting is declared once: a field with a docstring on its role's settings model
-(``ops.settings``, ``ops.gateway.settings``, ``consumers.trainer.settings``). This module
+(``ops.settings``, ``consumers.trainer.settings``). This module
 renders every field (type, default, limits, ``ROLLQ_*`` variable, YAML key, the flags of
 the commands that read it) and its docstring into the page, so the page cannot drift from
 the code: ``tests/test_docs.py`` fails when the committed page differs from ``render()``.
@@ -31,12 +31,12 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from rollq.consumers.trainer.settings import TrainerClientSettings
-from rollq.ops.gateway.settings import GatewaySettings
 from rollq.ops.settings import (
     ENV_PREFIX,
     AtroposApiSettings,
     CommonSettings,
     FeederSettings,
+    GatewaySettings,
     ReaderTuning,
     ScorerSettings,
     WorkerSettings,
@@ -92,9 +92,10 @@ docstrings; edit the models, not this page (tests/test_docs.py fails when it is 
 Every setting of a role comes from (highest first) a command-line flag, a
 `ROLLQ_<NAME>` environment variable, the `--config` YAML file, or the default. In the
 config file, the settings every role shares are top-level keys and a role's own settings
-sit in its section (`workers:`, `feeder:`, `scorer:`, `atropos_api:`; `gateway:` only in a
-file that `rollq gateway` alone reads: the other roles refuse that section today); an
-environment variable of a list is comma-separated, of a mapping YAML. An invalid value
+sit in its section (`workers:`, `feeder:`, `scorer:`, `atropos_api:`, `gateway:`); an
+environment variable of a list is comma-separated, of a mapping YAML. A flag is the
+setting's name with dashes (a mapping's is singular and repeatable: `--env-option
+KEY=VALUE`); its help is the text below (`rollq COMMAND --help`). An invalid value
 stops the command with exit 78 and a message naming the field and where its value came
 from (`from --redis-url`, `from ROLLQ_RUN`, `from rollq.yaml`). How the sources combine,
 and the workers' extra sampling fields: [command line](cli.md).

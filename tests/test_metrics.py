@@ -26,13 +26,12 @@ from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
 from rollq.ops.atropos.app import create_app as create_atropos_app
 from rollq.ops.cli import main
 from rollq.ops.gateway.app import create_app as create_gateway_app
-from rollq.ops.gateway.settings import GatewaySettings
 from rollq.ops.health import parse_health
 from rollq.ops.local.stack import free_port
 from rollq.ops.metrics import RoleMetrics
 from rollq.ops.role_metrics import serve_trainer_metrics
 from rollq.ops.roles import run_scorer
-from rollq.ops.settings import AtroposApiSettings, ScorerSettings
+from rollq.ops.settings import AtroposApiSettings, GatewaySettings, ScorerSettings
 from rollq.producers.publisher import Publisher
 from rollq.schemas import decode_trajectory
 from rollq.schemas.keys import stream_key

@@ -10,9 +10,8 @@ import sys
 from collections.abc import Mapping
 
 from rollq.ops.cli.common import add_settings_flags, settings_for
-from rollq.ops.gateway.settings import GatewaySettings
 from rollq.ops.lifecycle import serve_http
-from rollq.ops.settings import AtroposApiSettings
+from rollq.ops.settings import AtroposApiSettings, GatewaySettings
 
 ATROPOS_API_HELP = (
     "serve the Atropos trajectory API (atroposlib 0.4.0's paths and shapes) on the run's "

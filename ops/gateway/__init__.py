@@ -1,3 +1,3 @@
 """The capturing OpenAI-compatible gateway (``rollq gateway``): ``ops.gateway.app.create_app``
 serves ``producers.inference.capture.CaptureHub`` over HTTP in front of the vLLM servers;
-``ops.gateway.settings.GatewaySettings`` configures it."""
+``ops.settings.GatewaySettings`` configures it."""

@@ -25,8 +25,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
 from rollq.ops.gateway.sessions import add_session_routes
-from rollq.ops.gateway.settings import GatewaySettings
 from rollq.ops.role_metrics import add_metrics_route, gateway_metrics, session_metrics
+from rollq.ops.settings import GatewaySettings
 from rollq.producers.inference import InferencePool
 from rollq.producers.inference.capture import CaptureHub, Upstream
 from rollq.producers.inference.capture.render import LocalTemplate

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from rollq.ops.cli import build_parser
 from rollq.ops.gateway.app import create_app
-from rollq.ops.gateway.settings import GatewaySettings
+from rollq.ops.settings import GatewaySettings
 from rollq.producers.envs.base import EpisodeResult, Item
 from rollq.producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv, build_rollout
 from rollq.producers.inference.capture import CapturedEpisode, RemoteGateway

@@ -26,10 +26,9 @@ from rollq.consumers.bus import join_trajectories
 from rollq.ops.cli import main
 from rollq.ops.connections import open_redis
 from rollq.ops.gateway.app import create_app
-from rollq.ops.gateway.settings import GatewaySettings
 from rollq.ops.local.cluster import LocalCluster
 from rollq.ops.roles import run_scorer
-from rollq.ops.settings import CommonSettings, ScorerSettings
+from rollq.ops.settings import CommonSettings, GatewaySettings, ScorerSettings
 from rollq.ops.status import collect_status
 from rollq.producers.sessions import SessionHost
 from rollq.schemas import decode_dead, decode_scored, decode_trajectory

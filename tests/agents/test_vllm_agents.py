@@ -19,8 +19,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollq.ops.gateway.app import create_app
-from rollq.ops.gateway.settings import GatewaySettings
 from rollq.ops.local.stack import VllmProcess
+from rollq.ops.settings import GatewaySettings
 from rollq.producers.envs.episode import ClientEpisodeEnv, GatewayEpisodeEnv
 from rollq.producers.inference import InferencePool
 from rollq.producers.inference.capture import RemoteGateway, Upstream
