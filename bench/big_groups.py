@@ -46,15 +46,14 @@ import redis.asyncio as aioredis
 
 from bench.bus_workload import Result, run_raw
 from bench.common import BenchRedis, median_of, payload_bytes, print_table
-from bench.rollouts import make_problem, make_sentence
-from bench.trainer import (
-    RUN,
+from bench.rollouts import RUN, make_problem, make_sentence
+from bench.trainer import run_rollq
+from bench.trainer_common import (
     SCORED,
     SCORER_CONCURRENCY,
     TRAJ,
     pct,
     publish_all,
-    run_rollq,
     scorer_reader,
 )
 from rollq.consumers.scorer.bridge import RewardBridge

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from bench.fake_vllm import FakeServerProcess
 from bench.pipeline import (
     RUN,
     Outcome,
@@ -49,7 +50,6 @@ from bench.pipeline import (
     rank_victims,
     settled,
 )
-from bench.workers import FakeServerProcess
 from rollq.ops.local.stack import RedisProcess
 
 

@@ -1,6 +1,6 @@
 """The whole rollq pipeline as real processes, for the chaos and soak benchmarks.
 
-On a redis-server and a zero-latency fake vLLM server (``bench.workers``) it runs
+On a redis-server and a zero-latency fake vLLM server (``bench.fake_vllm``) it runs
 ``rollq feed``, two ``rollq workers``, two ``rollq score`` and one trainer
 (``python -m bench.pipeline trainer``: the SDK's ``SyncTrainerClient``; its "model" is the
 list of group ids it trained, checkpointed after every ``ack`` together with

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 import redis.asyncio as aioredis
 
+from bench.fake_vllm import FakeServerProcess
 from bench.pipeline import RUN, PipelineOptions, Role, build_roles, outcome
-from bench.workers import FakeServerProcess
 from rollq.ops.local.stack import RedisProcess
 from rollq.schemas.keys import CONSUMED_COUNTER, counters_key, run_key, stream_key
 

@@ -66,67 +66,47 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import redis.asyncio as aioredis
 
-from bench.bus_workload import RAW_TRAJ, Result, _raw_consume, run_raw
-from bench.common import (
-    BenchRedis,
-    median_of,
-    payload_bytes,
-    print_table,
-    redis_cpu,
-    report_ready,
-    report_role,
-    run_role_processes,
-)
+from bench.bus_workload import Result, run_raw
+from bench.common import BenchRedis, median_of, payload_bytes, print_table, redis_cpu
 from bench.rollouts import RUN, grpo_scored, make_group, make_groups
-from rollq.consumers.bus import Delivery, ReaderSettings, StreamReader
+from bench.trainer_alone import part_c
+from bench.trainer_common import (
+    REWARD,
+    SCORED,
+    SCORER_CONCURRENCY,
+    Shape,
+    _client,
+    _shapes,
+    pct,
+    publish_all,
+    scorer_reader,
+    train_all,
+)
+from bench.trainer_prefetch import part_prefetch
+from bench.trainer_roles import ProcessesResult, run_in_processes
 from rollq.consumers.scorer.bridge import RewardBridge
 from rollq.consumers.scorer.config import RewardConfig
 from rollq.consumers.scorer.consumer import Scorer, config_fingerprint
 from rollq.consumers.stage import Stage
-from rollq.consumers.trainer import (
-    SyncTrainerClient,
-    TrainerClient,
-    TrainerClientSettings,
-    pad_groups,
-)
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings, pad_groups
 from rollq.ops.logging import configure_logging
 from rollq.producers.publisher import Publisher
 from rollq.schemas import Fields, TrajectoryGroup, decode_scored, encode
 from rollq.schemas.decoding import decode_scored_columns
-from rollq.schemas.heap import freeze_heap
-from rollq.schemas.keys import stream_key
 
-TRAJ = stream_key(RUN, 0, "traj")
-SCORED = stream_key(RUN, 0, "scored")
 TARGET_P99_MS = 25.0
 TARGET_GROUPS_PER_S = 1500.0
 TARGET_RATIO = 0.4
 """8x64: a floor on groups/s and on the ratio to raw 1-hop."""
-TARGET_WAIT_P99_MS = 2.0
-"""(prefetch): the p99 of a training step's wait in ``next_batch`` with prefetch on."""
 TARGET_BIG_RATIO = 0.5
 """16x2048: the ratio to raw 1-hop (the structural limit is ~0.67: three transfers of the
 group's bytes against raw's two; goal 0.6)."""
-SCORER_CONCURRENCY = 16
-REWARD = {
-    "components": [
-        {"name": "format", "component": "format", "settings": {"preset": "think"}},
-        {"name": "length_bounty", "component": "length_bounty"},
-    ],
-    "advantages": {"zero_variance": "keep"},
-}
-
-
-def _client(url: str) -> aioredis.Redis:
-    client: aioredis.Redis = aioredis.Redis.from_url(url)
-    return client
 
 
 # ------------------------------------------------------------------- (a) next_batch latency
@@ -177,10 +157,6 @@ async def latency_run(url: str, payloads: list[Fields], batch_groups: int, read_
     return out
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values, np.float64), q)) if values else float("nan")
-
-
 def component_costs(payloads: list[Fields], batch_groups: int,
                     repeat: int = 5) -> dict[str, str]:
     """Serial ms of the pieces of a next_batch, as the client does them: decode one group
@@ -209,28 +185,6 @@ def component_costs(payloads: list[Fields], batch_groups: int,
 
 
 # -------------------------------------------------------------------------- (b) end to end
-
-
-def scorer_reader(client: aioredis.Redis) -> StreamReader:
-    """The scorer stage's reader of the run's traj stream, as ``ops.roles.run_scorer``
-    sizes it (``count`` = the stage's concurrency)."""
-    return StreamReader(client, [TRAJ], "scorers", "scorer-bench",
-                        ReaderSettings(count=SCORER_CONCURRENCY, block_ms=100))
-
-
-async def publish_all(publisher: Publisher, groups: Sequence[TrajectoryGroup]) -> None:
-    """``Publisher.publish`` each group, one after the other."""
-    for group in groups:
-        await publisher.publish(group)
-
-
-async def train_all(tc: TrainerClient, total: int, batch_groups: int) -> None:
-    """``next_batch`` + ``ack`` until ``total`` groups are trained."""
-    consumed = 0
-    while consumed < total:
-        batch = await tc.next_batch(groups=min(batch_groups, total - consumed))
-        await batch.ack()
-        consumed += len(batch)
 
 
 async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridge,
@@ -268,151 +222,6 @@ async def run_rollq(url: str, groups: list[TrajectoryGroup], bridge: RewardBridg
     finally:
         for c in (pub_client, stage_client, trainer_client):
             await c.aclose()
-
-
-
-
-@dataclass(frozen=True)
-class Shape:
-    group_size: int
-    seq_len: int
-    prompt_len: int
-    short_text: bool
-    groups: int
-
-    @property
-    def label(self) -> str:
-        return f"{self.group_size}x{self.seq_len}"
-
-
-# ------------------------------------------------------------ (b) one OS process per role
-
-
-@dataclass(frozen=True)
-class RoleJob:
-    """What one role process of a ``--processes`` run does (pickled to a spawned child)."""
-
-    role: str
-    """``publish``, ``score`` or ``train`` (rollq); ``produce`` or ``consume`` (raw)."""
-    url: str
-    shape: Shape
-    batch_groups: int
-    read_batch: int
-
-
-class _StageUntil(Stage):
-    """A ``Stage`` that sets ``done`` once it has forwarded ``total`` entries."""
-
-    def __init__(self, total: int, done: asyncio.Event, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.total = total
-        self.done = done
-
-    async def process(self, deliveries: list[Delivery]) -> None:
-        await super().process(deliveries)
-        if self.forwarded >= self.total:
-            self.done.set()
-
-
-def _role_main(job: RoleJob, messages: Any, start: Any) -> None:
-    """Entry point of a role process: set up, report ``ready``, wait for ``start``, run,
-    report ``done`` with its figures (or ``error`` with the traceback)."""
-    configure_logging("json", "warning")
-    report_role(job.role, messages, lambda: asyncio.run(_role(job, messages, start)))
-
-
-async def _role(job: RoleJob, messages: Any, start: Any) -> dict[str, float]:
-    """Run one role; ``first``/``last`` are ``time.monotonic()`` stamps (CLOCK_MONOTONIC is
-    system-wide on Linux, so stamps of different processes compare)."""
-    shape, total = job.shape, job.shape.groups
-    client = _client(job.url)
-    report: dict[str, float] = {}
-    try:
-        if job.role in ("publish", "produce"):
-            groups = make_groups(total, shape.group_size, shape.seq_len, shape.prompt_len,
-                                 shape.short_text)
-            payloads = [encode(g) for g in groups]  # also warms the codec
-            publisher = Publisher(client, RUN)
-            if job.role == "publish":
-                await publisher.register()
-            report_ready(messages, job.role)
-            start.wait()
-            cpu = time.process_time()
-            report["first"] = time.monotonic()
-            if job.role == "publish":
-                await publish_all(publisher, groups)
-            else:
-                for fields in payloads:
-                    await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
-        elif job.role == "score":
-            config = RewardConfig.from_mapping(REWARD)
-            async with RewardBridge(config) as bridge:
-                scorer = Scorer(bridge, config_fingerprint(config), client)
-                warm = make_groups(1, shape.group_size, shape.seq_len, shape.prompt_len,
-                                   shape.short_text)[0]
-                await scorer.score(warm)
-                reader = scorer_reader(client)
-                stop = asyncio.Event()
-                stage = _StageUntil(total, stop, reader, scorer, concurrency=SCORER_CONCURRENCY)
-                await reader.ensure_groups()
-                report_ready(messages, job.role)
-                start.wait()
-                cpu = time.process_time()
-                await stage.run(stop)
-        elif job.role == "train":
-            settings = TrainerClientSettings(batch_groups=job.batch_groups, block_ms=100,
-                                             max_staleness=None)
-            rng = np.random.default_rng(1)
-            warm_groups = make_groups(job.batch_groups, shape.group_size, shape.seq_len,
-                                      shape.prompt_len, shape.short_text)
-            pad_groups([decode_scored_columns(encode(grpo_scored(g, rng))) for g in warm_groups])
-            async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
-                report_ready(messages, job.role)
-                start.wait()
-                cpu = time.process_time()
-                await train_all(tc, total, job.batch_groups)
-                report["last"] = time.monotonic()
-        elif job.role == "consume":
-            await client.xgroup_create(RAW_TRAJ, "g", id="0", mkstream=True)
-            report_ready(messages, job.role)
-            start.wait()
-            cpu = time.process_time()
-            report["last"] = await _raw_consume(client, RAW_TRAJ, "g", total, job.read_batch)
-        else:
-            raise ValueError(f"unknown role {job.role!r}")
-        report["cpu"] = time.process_time() - cpu
-    finally:
-        await client.aclose()
-    return report
-
-
-@dataclass
-class ProcessesResult(Result):
-    role_cpu_s: dict[str, float] = field(default_factory=dict)
-    """CPU seconds of each role process over the run."""
-
-
-def run_processes(url: str, shape: Shape, roles: Sequence[str], batch_groups: int,
-                  read_batch: int) -> ProcessesResult:
-    """One spawned process per role; all set up first, then started at once. Wall from the
-    first publish (XADD) to the last ack; CPU summed over the role processes."""
-    jobs = [RoleJob(role, url, shape, batch_groups, read_batch) for role in roles]
-    reports = run_role_processes(_role_main, jobs)
-    first = min(r["first"] for r in reports.values() if "first" in r)
-    last = max(r["last"] for r in reports.values() if "last" in r)
-    role_cpu = {role: r["cpu"] for role, r in reports.items()}
-    return ProcessesResult(last - first, shape.groups, client_cpu_s=sum(role_cpu.values()),
-                           role_cpu_s=role_cpu)
-
-
-async def run_in_processes(url: str, shape: Shape, roles: Sequence[str], batch_groups: int,
-                           read_batch: int) -> ProcessesResult:
-    client = _client(url)
-    try:
-        await client.flushall()
-    finally:
-        await client.aclose()
-    return await asyncio.to_thread(run_processes, url, shape, roles, batch_groups, read_batch)
 
 
 async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: int,
@@ -470,211 +279,6 @@ async def e2e(url: str, shape: Shape, runs: int, batch_groups: int, read_batch: 
         profiler.dump_stats(f"{profile}.{shape.label}")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     return results
-
-
-# ------------------------------------------------------------------------ (c) each role alone
-
-
-@dataclass
-class RoleCost:
-    """One role's run over a stream the role before it filled."""
-
-    client_s: float
-    """CPU seconds of this process (the role alone runs in it)."""
-    redis_s: float
-    """CPU seconds of redis-server over the run."""
-    wall_s: float
-
-
-async def _timed(url: str, work: Callable[[], Coroutine[Any, Any, Any]]) -> RoleCost:
-    redis_before = await redis_cpu(url)
-    cpu, wall = time.process_time(), time.perf_counter()
-    await work()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    return RoleCost(cpu, await redis_cpu(url) - redis_before, wall)
-
-
-async def roles_alone(url: str, shape: Shape, bridge: RewardBridge, config: RewardConfig,
-                      batch_groups: int, read_batch: int) -> dict[str, RoleCost]:
-    """Each role of (b) on its own, one after the other, in this process: the publisher
-    fills the traj stream, then the scorer stage scores all of it, then the trainer trains
-    all of it; raw's producer fills its stream, then its consumer reads it. Nothing else
-    runs meanwhile, so each role's CPU is its own and redis-server has the other core."""
-    groups = make_groups(shape.groups, shape.group_size, shape.seq_len, shape.prompt_len,
-                         shape.short_text)
-    payloads = [encode(g) for g in groups]
-    total = len(groups)
-    client = _client(url)
-    costs: dict[str, RoleCost] = {}
-    try:
-        await client.flushall()
-        publisher = Publisher(client, RUN)
-        await publisher.register()
-        reader = scorer_reader(client)
-        await reader.ensure_groups()
-        done = asyncio.Event()
-        stage = _StageUntil(total, done, reader, Scorer(bridge, config_fingerprint(config),
-                                                        client),
-                            concurrency=SCORER_CONCURRENCY)
-        settings = TrainerClientSettings(batch_groups=batch_groups, block_ms=100,
-                                         max_staleness=None)
-        gc.collect()
-
-        async def produce() -> None:
-            for fields in payloads:
-                await client.xadd(RAW_TRAJ, fields)  # type: ignore[arg-type]
-
-        costs["rollq publisher"] = await _timed(url, lambda: publish_all(publisher, groups))
-        costs["rollq scorer stage"] = await _timed(url, lambda: stage.run(done))
-        async with TrainerClient(client, run=RUN, consumer="bench", settings=settings) as tc:
-            costs["rollq trainer"] = await _timed(url, lambda: train_all(tc, total,
-                                                                         batch_groups))
-        costs["raw producer"] = await _timed(url, produce)
-        await client.xgroup_create(RAW_TRAJ, "g", id="0")
-        costs["raw consumer"] = await _timed(url, lambda: _raw_consume(
-            client, RAW_TRAJ, "g", total, read_batch))
-    finally:
-        await client.aclose()
-    return costs
-
-
-async def part_c(url: str, args: argparse.Namespace) -> list[str]:
-    config = RewardConfig.from_mapping(REWARD)
-    lines = []
-    async with RewardBridge(config) as bridge:
-        freeze_heap()  # as every role process of (b) does once set up
-        for shape in _shapes(args):
-            runs = [await roles_alone(url, shape, bridge, config, args.batch_groups,
-                                      args.read_batch) for _ in range(args.runs)]
-            n = shape.groups
-            ms = {role: {part: median_of(getattr(run[role], part) / n * 1e3 for run in runs)
-                         for part in ("client_s", "redis_s", "wall_s")} for role in runs[0]}
-            rows = [[role, f"{c['client_s']:.3f}", f"{c['redis_s']:.3f}", f"{c['wall_s']:.3f}",
-                     f"{1e3 / c['wall_s']:,.0f}"] for role, c in ms.items()]
-            print_table(["role, alone", "client CPU ms/group", "redis CPU ms/group",
-                         "wall ms/group", "groups/s alone"], rows,
-                        title=f"(c) each role alone on a filled stream, {shape.label} groups, "
-                              f"{n} per run, median of {args.runs} runs")
-            together = {side: sum(c["client_s"] + c["redis_s"] for role, c in ms.items()
-                                  if role.startswith(side)) for side in ("rollq", "raw")}
-            slowest = max((role for role in ms if role.startswith("rollq")),
-                          key=lambda role: ms[role]["wall_s"])
-            cpus = os.cpu_count() or 1
-            lines.append(
-                f"(c) {shape.label}: CPU per group, every role and redis-server together: "
-                f"rollq {together['rollq']:.2f} ms, raw {together['raw']:.2f} ms "
-                f"({together['raw'] / together['rollq']:.2f} of rollq's); rollq on {cpus} "
-                f"shared cores, every one busy: at most {cpus * 1e3 / together['rollq']:,.0f} "
-                f"groups/s; alone, the slowest rollq role ({slowest}) runs "
-                f"{1e3 / ms[slowest]['wall_s']:,.0f} groups/s")
-    return lines
-
-
-# ------------------------------------------------------------- (prefetch) the wait of a step
-
-
-PREFETCH_SHAPES = (Shape(16, 2048, 256, False, 0), Shape(8, 64, 32, True, 0))
-"""(prefetch) shapes; ``groups`` is set per run from the steps."""
-
-
-@dataclass
-class StepRun:
-    """One training loop of (prefetch), counted steps only."""
-
-    wait_ms: list[float]
-    """Per step: the caller's wait in ``next_batch``."""
-    step_ms: list[float]
-    """Per step: the whole iteration (``next_batch``, the step, ``ack``)."""
-    stats_wait_ms: float
-    """The client's ``stats.wait_seconds``, mean over the counted steps."""
-
-
-async def fill_scored(url: str, shape: Shape, count: int, bridge: RewardBridge,
-                      config: RewardConfig) -> None:
-    """An empty Redis, then ``count`` groups of ``shape`` published and scored by the real
-    roles: the run's scored stream holds ``count`` groups for the trainer."""
-    groups = make_groups(count, shape.group_size, shape.seq_len, shape.prompt_len,
-                         shape.short_text)
-    client = _client(url)
-    try:
-        await client.flushall()
-        publisher = Publisher(client, RUN)
-        await publisher.register()
-        reader = scorer_reader(client)
-        await reader.ensure_groups()
-        await publish_all(publisher, groups)
-        done = asyncio.Event()
-        stage = _StageUntil(count, done, reader, Scorer(bridge, config_fingerprint(config),
-                                                        client),
-                            concurrency=SCORER_CONCURRENCY)
-        await stage.run(done)
-    finally:
-        await client.aclose()
-
-
-def train_steps(url: str, prefetch: bool, batch_groups: int, warmup: int, steps: int,
-                step_s: float) -> StepRun:
-    """The training loop of a script through ``SyncTrainerClient`` (blocking: run it in a
-    thread of its own, as a training script is)."""
-    # max_staleness as deployed: the hand-out looks the run's version up (nothing here is
-    # stale: every group is of version 0, and no one publishes)
-    settings = TrainerClientSettings(batch_groups=batch_groups, block_ms=100,
-                                     prefetch=prefetch)
-    out = StepRun([], [], 0.0)
-    with SyncTrainerClient(url, run=RUN, consumer="bench", settings=settings) as tc:
-        waits = tc.client.stats.wait_seconds
-        counted_from = (0.0, 0)
-        for step in range(warmup + steps):
-            if step == warmup:
-                counted_from = (waits.sum, waits.count)
-            started = time.perf_counter()
-            batch = tc.next_batch(groups=batch_groups)
-            waited = time.perf_counter() - started
-            if len(batch) != batch_groups:
-                raise RuntimeError(f"step {step}: {len(batch)} of {batch_groups} groups")
-            time.sleep(step_s)  # the GPU step: the GIL is free meanwhile
-            batch.ack()
-            del batch
-            if step >= warmup:
-                out.wait_ms.append(waited * 1e3)
-                out.step_ms.append((time.perf_counter() - started) * 1e3)
-        out.stats_wait_ms = (waits.sum - counted_from[0]) / (waits.count - counted_from[1]) * 1e3
-    return out
-
-
-async def part_prefetch(url: str, args: argparse.Namespace) -> list[str]:
-    config = RewardConfig.from_mapping(REWARD)
-    count = (args.warmup + args.steps + 1) * args.batch_groups  # +1: the last prefetch
-    lines = []
-    async with RewardBridge(config) as bridge:
-        for shape in PREFETCH_SHAPES:
-            print(f"(prefetch) [{shape.label}] {count} scored groups per run; "
-                  f"next_batch(groups={args.batch_groups}), step {args.step_ms:.0f} ms, "
-                  f"{args.steps} steps after {args.warmup}", flush=True)
-            runs: dict[bool, list[StepRun]] = {True: [], False: []}
-            for run in range(args.runs):
-                for prefetch in (True, False):
-                    await fill_scored(url, shape, count, bridge, config)
-                    gc.collect()
-                    result = await asyncio.to_thread(
-                        train_steps, url, prefetch, args.batch_groups, args.warmup,
-                        args.steps, args.step_ms / 1e3)
-                    runs[prefetch].append(result)
-                    print(f"  run {run + 1}/{args.runs} prefetch {'on ' if prefetch else 'off'}"
-                          f" step p50 {pct(result.step_ms, 50):7.1f} ms, wait p50 "
-                          f"{pct(result.wait_ms, 50):6.2f} ms p99 {pct(result.wait_ms, 99):6.2f}"
-                          f" ms max {max(result.wait_ms):6.2f} ms (stats mean "
-                          f"{result.stats_wait_ms:6.2f} ms)", flush=True)
-            step = median_of(pct(r.step_ms, 50) for r in runs[True])
-            wait = {on: (median_of(pct(r.wait_ms, 50) for r in runs[on]),
-                         median_of(pct(r.wait_ms, 99) for r in runs[on])) for on in runs}
-            verdict = "OK" if wait[True][1] <= TARGET_WAIT_P99_MS else "ABOVE TARGET"
-            print(f"  wait p99 with prefetch {wait[True][1]:.2f} ms (target <= "
-                  f"{TARGET_WAIT_P99_MS:.0f} ms) {verdict}\n", flush=True)
-            lines.append(f"prefetch {shape.label}: step {step:.1f} ms, wait p50 "
-                         f"{wait[True][0]:.2f} ms p99 {wait[True][1]:.2f} ms (without "
-                         f"prefetch: {wait[False][0]:.2f} / {wait[False][1]:.2f})")
-    return lines
 
 
 # ------------------------------------------------------------------------------------ main
@@ -770,14 +374,6 @@ async def part_a(url: str, args: argparse.Namespace) -> list[str]:
 def _baseline(variant: str) -> str:
     """The raw variant a variant is compared with: per-process runs with per-process raw."""
     return "raw/procs" if variant.endswith("/procs") else "raw"
-
-
-def _shapes(args: argparse.Namespace) -> list[Shape]:
-    """The shapes of (b) and (c): the small one, then 16 x 2048 unless ``--big-groups 0``."""
-    shapes = [Shape(args.group_size, args.seq_len, 32, True, args.groups)]
-    if args.big_groups:
-        shapes.append(Shape(16, 2048, 256, False, args.big_groups))
-    return shapes
 
 
 async def part_b(url: str, args: argparse.Namespace) -> list[str]:
