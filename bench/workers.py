@@ -53,9 +53,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from bench.common import BenchRedis, median_of, print_table, redis_cpu
-from bench.fake_vllm import MODEL, serve_fake
-from bench.fake_vllm import REPO_ROOT as REPO_ROOT  # re-exported: tests import it from here
-from bench.fake_vllm import FakeServerProcess as FakeServerProcess  # re-exported, as REPO_ROOT
+from bench.fake_vllm import MODEL, FakeServerProcess, serve_fake
 from rollq.producers.envs.registry import make_env
 from rollq.producers.inference import SamplingParams
 from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout

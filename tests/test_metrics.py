@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from bench.workers import REPO_ROOT, FakeServerProcess
+from bench.fake_vllm import REPO_ROOT, FakeServerProcess
 from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
 from rollq.ops.atropos.app import create_app as create_atropos_app
 from rollq.ops.cli import main

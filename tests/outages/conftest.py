@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.workers import FakeServerProcess
+from bench.fake_vllm import FakeServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis.asyncio as aioredis
 
-from bench.workers import FakeServerProcess
+from bench.fake_vllm import FakeServerProcess
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import connect_queue, enqueue_rollout, job_id
 from rollq.schemas.keys import stream_key
