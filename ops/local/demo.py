@@ -54,7 +54,7 @@ from rollq.producers.envs.tools import VLLM_TOOL_FLAGS
 from rollq.schemas import ConfigError
 from rollq.schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, state_key, stream_key
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
 TORCHRUN_TRAINER = EXAMPLES / "torchrun_trainer.py"
 Task = Literal["digits", "sums", "tools"]

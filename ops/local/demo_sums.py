@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-SUMS_REWARD = Path(__file__).resolve().parent.parent / "examples" / "rewards" / "sums.yaml"
+SUMS_REWARD = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "sums.yaml"
 
 
 class SumsEvaluation:

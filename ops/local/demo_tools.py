@@ -23,7 +23,7 @@ from rollq.ops.local.demo_sums import SumsEvaluation
 from rollq.producers.envs.sums import sums_records
 from rollq.producers.envs.tools import CalculatorAgent, EpisodeOutcome
 
-TOOLS_REWARD = Path(__file__).resolve().parent.parent / "examples" / "rewards" / "tools.yaml"
+TOOLS_REWARD = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "tools.yaml"
 
 
 class ToolsEvaluator:

@@ -228,7 +228,7 @@ async def test_a_sync_that_meets_a_generation_midway_labels_each_token_with_its_
             httpx.AsyncClient(timeout=120) as http:
         await tc.publish_policy(10, old)
         server = InferenceServer(url, http)
-        for attempt, head_start in enumerate((0.3, 0.1, 0.02)):
+        for attempt, head_start in enumerate((0.3, 0.1, 0.02, 0.005, 0.0)):
             generation = asyncio.create_task(server.complete([5, 6, 7], 2, params,
                                                              model="rollq-tiny"))
             await asyncio.sleep(head_start)
