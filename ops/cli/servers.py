@@ -5,11 +5,12 @@ of this process)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from rollq.ops.cli.common import add_settings_flags, settings_for
+from rollq.ops.cli.common import Handler, add_settings_flags, settings_for
 from rollq.ops.lifecycle import serve_http
 from rollq.ops.settings import AtroposApiSettings, GatewaySettings
 
@@ -18,16 +19,22 @@ ATROPOS_API_HELP = (
     "streams: envs in `serve` mode post here, Atropos trainers poll /batch; durable")
 
 
-def atropos_api_flags(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, AtroposApiSettings)
+def http_role(model: type[AtroposApiSettings | GatewaySettings],
+              app_module: str) -> tuple[Callable[[argparse.ArgumentParser], None], Handler]:
+    """The flags and handler of an HTTP role: its settings, then its app (``create_app``
+    of ``app_module``, imported when run: FastAPI is the 'servers' extra) served until a
+    stop signal."""
 
+    def flags(parser: argparse.ArgumentParser) -> None:
+        add_settings_flags(parser, model)
 
-async def atropos_api(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from rollq.ops.atropos.app import create_app  # FastAPI: the 'servers' extra
+    async def serve(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+        create_app = importlib.import_module(app_module).create_app
+        settings = settings_for(model, args, environ)
+        return await serve_http(create_app(settings), settings.host, settings.port,
+                                metrics_port=settings.metrics_port)
 
-    settings: AtroposApiSettings = settings_for(AtroposApiSettings, args, environ)
-    return await serve_http(create_app(settings), settings.host, settings.port,
-                            metrics_port=settings.metrics_port)
+    return flags, serve
 
 
 ATROPOS_ENV_HELP = (
@@ -60,20 +67,8 @@ GATEWAY_HELP = (
     "episodes (POST /sessions) kept in Redis")
 
 
-def gateway_flags(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, GatewaySettings)
-
-
-async def gateway(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
-    from rollq.ops.gateway.app import create_app
-
-    settings: GatewaySettings = settings_for(GatewaySettings, args, environ)
-    return await serve_http(create_app(settings), settings.host, settings.port,
-                            metrics_port=settings.metrics_port)
-
-
 COMMANDS = {
-    "atropos-api": (ATROPOS_API_HELP, atropos_api_flags, atropos_api),
+    "atropos-api": (ATROPOS_API_HELP, *http_role(AtroposApiSettings, "rollq.ops.atropos.app")),
     "atropos-env": (ATROPOS_ENV_HELP, atropos_env_flags, atropos_env),
-    "gateway": (GATEWAY_HELP, gateway_flags, gateway),
+    "gateway": (GATEWAY_HELP, *http_role(GatewaySettings, "rollq.ops.gateway.app")),
 }
