@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="raise the learning rate linearly over the first N steps (Adam's "
+                             "first steps move every weight by about lr) [0: none]")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
     parser.add_argument("--torch-threads", type=int,
@@ -235,6 +238,12 @@ class StopSignals:
         return 130 if self.received == signal.SIGINT else 0
 
 
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """``--lr``, ramped linearly over the first ``--warmup-steps`` steps (``step`` from 1;
+    from the step itself, so a resumed run carries on the ramp)."""
+    return args.lr * min(1.0, step / args.warmup_steps) if args.warmup_steps > 0 else args.lr
+
+
 def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
              args: argparse.Namespace) -> dict[str, Any]:
     """One optimizer step on ``batch`` (the ``step``-th); its metrics record."""
@@ -261,6 +270,8 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(args, step)
     optimizer.step()
     return {
         "step": step, "loss": float(loss.detach()), "reward_mean": float(batch.rewards.mean()),

@@ -90,12 +90,16 @@ class DemoOptions:
     group_size: int = 8
     batch_groups: int = 8
     max_tokens: int = 24
+    temperature: float = 1.0
+    """The workers' sampling temperature (evaluations are greedy)."""
     max_staleness: int = 1
     lr: float = 2e-3
     flip_advantages: bool = False
     step_timeout_s: float = 120.0
     task: Task = "digits"
     kl_coef: float = 0.0
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up of the trainer over this many steps (0: none)."""
     torch_threads: int | None = None
     trainer_ranks: int = 1
     """Above 1: ``examples/torchrun_trainer.py`` as this many torchrun ranks (DDP, gloo on
@@ -357,6 +361,7 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
         python, "-m", "rollq", "workers", "--env", task_env, *env_options,
         "--inference", inference,
         "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
+        "--temperature", str(options.temperature),
         "--concurrency", str(options.batch_groups)], env)
     processes.start("feeder", [
         python, "-m", "rollq", "feed", "--env", task_env, "--epochs", "100000",
@@ -379,6 +384,10 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
             "--seed", str(options.seed)]
     if options.kl_coef:
         argv += ["--kl-coef", str(options.kl_coef)]
+    if options.warmup_steps:
+        if options.trainer_ranks > 1:
+            raise ConfigError("a learning-rate warm-up needs the single-rank trainer")
+        argv += ["--warmup-steps", str(options.warmup_steps)]
     if options.torch_threads:
         argv += ["--torch-threads", str(options.torch_threads)]
     if options.weight_sync != "reload":

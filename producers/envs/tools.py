@@ -36,6 +36,7 @@ import openai
 from rollq.producers.envs.episode import GatewayEpisodeEnv
 from rollq.producers.envs.sums import CHANCE, Split, sums_records
 from rollq.producers.inference.capture import RemoteGateway
+from rollq.producers.inference.capture.gateways import default_ssl_context
 
 __all__ = ["CALC_TOOL", "CHANCE", "TOOLS_CHAT_TEMPLATE", "VLLM_TOOL_FLAGS", "CalculatorAgent",
            "EpisodeOutcome", "calculate", "tools_env"]
@@ -110,6 +111,8 @@ class CalculatorAgent:
                   http_client: Any = None, api_key: str = "", **extra: Any) -> float:
         """AReaL's workflow call: the episode's reward. ``http_client``: an
         ``httpx.AsyncClient`` or None (typed Any: openai's stubs name their own httpx)."""
+        if http_client is None:  # openai's own client, but not a CA bundle read per episode
+            http_client = openai.DefaultAsyncHttpxClient(verify=default_ssl_context())
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "none",
                                       http_client=http_client, max_retries=0) as client:
             outcome = await self.episode(client, data)
@@ -162,7 +165,7 @@ def tools_env(*, gateway: str | None = None, split: Split = "train",
     """The ``tools`` env: ``CalculatorAgent`` on the sums problems of ``split``, each
     episode on its own captured base URL: a ``rollq gateway`` at ``gateway``, or (None) the
     worker's in-process one."""
+    remote = None if gateway is None else RemoteGateway(gateway)
     return GatewayEpisodeEnv("tools", CalculatorAgent(max_tokens=max_tokens),
-                             sums_records(split, source),
-                             gateway=None if gateway is None else RemoteGateway(gateway))
+                             sums_records(split, source), gateway=remote)
 

@@ -74,6 +74,30 @@ async def test_the_reward_is_a_calc_call_then_the_right_number(
         assert 0 in completion.loss_mask.tolist()
 
 
+async def test_episodes_through_a_rollq_gateway_build_no_ssl_context_each(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every short-lived client of an episode (the gateway's open and close, the agent's
+    own) shares one SSL context: building one per client was most of a worker's CPU."""
+    import ssl
+
+    from tests.agents.test_gateway import served_gateway
+
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context",
+                        lambda *a, **k: built.append(1) or real(*a, **k))
+    fake = AgentFakeVLLM()
+    fake.script = lambda prompt, number: "0" if "<|im_start|>tool" in prompt else call_text(
+        f"{RECORD['a']} + {RECORD['b']}")
+    async with served_gateway(fake) as url, pool_of(fake) as pool:
+        env = tools_env(gateway=url)
+        for _ in range(2):
+            rollout = await env.rollout(env.item(0), pool, group_size=2,
+                                        sampling=SAMPLING, policy_version=zero)
+            assert [c.info["env_score"] for c in rollout.completions] == [1.0, 1.0]
+    assert len(built) <= 1  # 12 clients (2 groups × 2 episodes × 3): at most the first builds
+
+
 def test_the_env_is_built_by_name_with_its_options() -> None:
     env = make_env("tools", gateway="http://127.0.0.1:1", max_tokens=64, split="heldout")
     assert env.name == "tools" and len(env) == 20
@@ -104,3 +128,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollq.ops.local.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "rollq-tiny", seed=0)
+
+
+def test_a_demo_warm_up_goes_to_the_single_rank_trainer_only() -> None:
+    from rollq.ops.local.demo import DemoOptions, trainer_argv
+    from rollq.schemas import ConfigError
+
+    def argv(**given: object) -> list[str]:
+        options = DemoOptions.for_task("tools", out=Path("demo-out"), **given)
+        return trainer_argv(options, Path("model"), "http://vllm", Path("trainer"),
+                            Path("m.jsonl"))
+
+    assert "--warmup-steps" not in argv()
+    warmed = argv(warmup_steps=10)
+    assert warmed[warmed.index("--warmup-steps") + 1] == "10"
+    with pytest.raises(ConfigError, match="warm-up"):
+        argv(warmup_steps=10, trainer_ranks=2)
