@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 
 class TrainerRegistration(BaseModel):
-    """``POST /register``: a trainer announces itself and its batch size."""
+    """``POST /register``: a trainer announces itself and its batch size (atroposlib's
+    ``Registration``; renamed here: ``schemas.runs`` has a run record)."""
 
     wandb_group: str
     wandb_project: str

@@ -1,5 +1,5 @@
 """Two ``rollq atropos-api`` processes serve one run at once, behind no load balancer: the
-clients alternate between them (and post to both concurrently). TrainerRegistration, buffers,
+clients alternate between them (and post to both concurrently). Registration, buffers,
 the queue, batches and acks are shared through Redis: every group comes out once."""
 
 from __future__ import annotations
