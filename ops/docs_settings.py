@@ -28,11 +28,9 @@ from typing import Any
 
 import annotated_types
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from rollq.consumers.trainer.settings import TrainerClientSettings
 from rollq.ops.settings import (
-    ENV_PREFIX,
     AtroposApiSettings,
     CommonSettings,
     FeederSettings,
@@ -40,6 +38,8 @@ from rollq.ops.settings import (
     ReaderTuning,
     ScorerSettings,
     WorkerSettings,
+    default_value,
+    env_name,
 )
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "settings.md"
@@ -118,7 +118,7 @@ def _render_field(section: Section, name: str, annotation: str, doc: str,
     facts = [f"`{annotation}`", f"default `{_default(section.model, name)}`"]
     facts += _limits(section.model, name)
     if section.yaml_section is not None:
-        facts.append(f"env `{ENV_PREFIX}{name.upper()}`")
+        facts.append(f"env `{env_name(name)}`")
         key = name if not section.yaml_section else f"{section.yaml_section}: {name}"
         where = "top-level " if not section.yaml_section else ""
         facts.append(f"YAML {where}`{key}`")
@@ -162,10 +162,7 @@ def _field_names(model: type[Any]) -> set[str]:
 
 def _default(model: type[Any], name: str) -> str:
     if issubclass(model, BaseModel):
-        info = model.model_fields[name]
-        value = info.default
-        if value is PydanticUndefined and info.default_factory is not None:
-            value = info.default_factory()  # type: ignore[call-arg]  # no-argument factories
+        value = default_value(model.model_fields[name])
     else:
         field = next(f for f in dataclasses.fields(model) if f.name == name)
         value = field.default

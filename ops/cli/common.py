@@ -48,6 +48,9 @@ class Exit(IntEnum):
 
 Handler = Callable[[argparse.Namespace, Mapping[str, str]], Coroutine[Any, Any, int]]
 
+ONE_SHOT = ("metrics_port",)
+"""Settings a command that serves nothing has no use for (``add_settings_flags``' skip)."""
+
 
 def add_settings_flags(parser: argparse.ArgumentParser, model: type[CommonSettings], *,
                        skip: Collection[str] = ()) -> None:

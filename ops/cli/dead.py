@@ -13,7 +13,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from rollq.ops.cli.common import Exit, add_settings_flags, redis_client, settings_for
+from rollq.ops.cli.common import (
+    ONE_SHOT,
+    Exit,
+    add_settings_flags,
+    not_found,
+    redis_client,
+    settings_for,
+)
 from rollq.ops.dead import (
     DEDUP_WINDOW_S,
     Letter,
@@ -93,7 +100,7 @@ def dead_flags(parser: argparse.ArgumentParser) -> None:
                        help="requeue letters older than the dedup window too")
     for action in (listing, show, again):
         action.add_argument("--json", action="store_true", help="print JSON")
-        add_settings_flags(action, CommonSettings, skip=("metrics_port",))
+        add_settings_flags(action, CommonSettings, skip=ONE_SHOT)
 
 
 async def dead(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -103,9 +110,7 @@ async def dead(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     try:
         runs = await known_runs(redis)
         if settings.run not in runs:
-            raise _Refused(f"run {settings.run!r} not found (known runs: "
-                           f"{', '.join(runs) or 'none yet'}); pass --run or ROLLQ_RUN",
-                           Exit.NOT_FOUND)
+            return not_found(settings.run, runs)
         count = await partitions(redis, settings.run)
         if args.partition is not None and not 0 <= args.partition < count:
             raise _Refused(f"run {settings.run!r} has partitions 0..{count - 1}, not "

@@ -12,7 +12,14 @@ from typing import Any
 import structlog
 
 from rollq.consumers.bus import follow
-from rollq.ops.cli.common import Exit, add_settings_flags, not_found, redis_client, settings_for
+from rollq.ops.cli.common import (
+    ONE_SHOT,
+    Exit,
+    add_settings_flags,
+    not_found,
+    redis_client,
+    settings_for,
+)
 from rollq.ops.connections import is_cluster_url, open_queue_redis
 from rollq.ops.lifecycle import stop_on_signals
 from rollq.ops.settings import CommonSettings
@@ -20,9 +27,6 @@ from rollq.ops.status import RunNotFound, collect_status, known_runs, render_sta
 from rollq.ops.tail import printer
 from rollq.schemas.keys import STREAM_NAMES, stream_keys
 from rollq.schemas.outage import OutageRider, StoppedDuringOutage
-
-ONE_SHOT = ("metrics_port",)
-"""Settings a command that serves nothing has no use for."""
 
 
 def status_flags(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,14 @@ import argparse
 import sys
 from collections.abc import Mapping
 
-from rollq.ops.cli.common import Exit, add_settings_flags, not_found, redis_client, settings_for
+from rollq.ops.cli.common import (
+    ONE_SHOT,
+    Exit,
+    add_settings_flags,
+    not_found,
+    redis_client,
+    settings_for,
+)
 from rollq.ops.lifecycle import stop_on_signals
 from rollq.ops.settings import FeederSettings, ScorerSettings, WorkerSettings
 from rollq.ops.status import known_runs
@@ -58,7 +65,7 @@ async def score(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 
 
 def rescore_flags(parser: argparse.ArgumentParser) -> None:
-    add_settings_flags(parser, ScorerSettings, skip=("metrics_port",))
+    add_settings_flags(parser, ScorerSettings, skip=ONE_SHOT)
     parser.add_argument("--into", required=True, metavar="RUN",
                         help="run whose scored stream receives the rescored groups")
 

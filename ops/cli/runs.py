@@ -13,7 +13,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from rollq.ops.cli.common import Exit, add_settings_flags, redis_client, settings_for
+from rollq.ops.cli.common import ONE_SHOT, Exit, add_settings_flags, redis_client, settings_for
 from rollq.ops.runs import (
     RunBusy,
     RunSummary,
@@ -55,7 +55,7 @@ def runs_flags(parser: argparse.ArgumentParser) -> None:
                            "cause first")
     again.add_argument("name", help="the run to resume")
     for action in (listing, remove, back, again):
-        add_settings_flags(action, CommonSettings, skip=("metrics_port",))
+        add_settings_flags(action, CommonSettings, skip=ONE_SHOT)
 
 
 async def runs(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
@@ -80,10 +80,17 @@ async def runs(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
         await redis.aclose()
 
 
+async def _missing(redis: aioredis.Redis, run: str) -> bool:
+    """True, having said so, when this Redis holds no run ``run``."""
+    if run in {r.decode() for r in await redis.smembers(RUNS_KEY)}:
+        return False
+    print(f"rollq: run {run!r} not found (see `rollq runs list`)", file=sys.stderr)
+    return True
+
+
 async def _delete(redis: aioredis.Redis, args: argparse.Namespace) -> int:
     run = check_run_name(args.name)
-    if run not in {r.decode() for r in await redis.smembers(RUNS_KEY)}:
-        print(f"rollq: run {run!r} not found (see `rollq runs list`)", file=sys.stderr)
+    if await _missing(redis, run):
         return int(Exit.NOT_FOUND)
     busy: RunBusy | None = None
     if not args.force:
@@ -122,8 +129,7 @@ async def _delete(redis: aioredis.Redis, args: argparse.Namespace) -> int:
 
 async def _resume(redis: aioredis.Redis, name: str) -> int:
     run = check_run_name(name)
-    if run not in {r.decode() for r in await redis.smembers(RUNS_KEY)}:
-        print(f"rollq: run {run!r} not found (see `rollq runs list`)", file=sys.stderr)
+    if await _missing(redis, run):
         return int(Exit.NOT_FOUND)
     was = await breaker.resume(redis, run)
     if was is None:
