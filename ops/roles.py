@@ -57,6 +57,7 @@ from rollq.producers.order import record_seed
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import (
     build_worker,
+    close_worker,
     connect_queue,
     enqueue_rollout,
     queue_name,
@@ -325,14 +326,9 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
                         return
     finally:
         try:
-            await worker.close()
+            await close_worker(worker)
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
             pass  # Redis is away: the jobs in hand are still in arq's queue
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            # else: a job task the shutdown cancelled; arq puts the job back in the queue
         await data.aclose()
         await queue.aclose()
 

@@ -359,3 +359,19 @@ def build_worker(
         keep_result=result_ttl_s,
         retry_jobs=True,
     )
+
+
+async def close_worker(worker: Worker) -> None:
+    """Stop a worker's jobs in hand and close it, connections included.
+
+    arq's own ``close`` cancels the jobs in hand, then gathers them without
+    ``return_exceptions``: a job cancelled before its handler's ``try`` (while it reads the job
+    from Redis) ends cancelled, the gather raises ``CancelledError``, and the pool's connections
+    are never closed. Here every job task is cancelled and awaited first (arq leaves a
+    cancelled job in its queue, to run again), so ``close`` finds none left."""
+    tasks = list(worker.tasks.values())
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    worker.tasks.clear()
+    await worker.close()

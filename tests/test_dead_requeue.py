@@ -22,6 +22,7 @@ from rollq.producers.admission import outstanding
 from rollq.producers.feeder import Feeder, FeedPlan
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import (
+    close_worker,
     connect_queue,
     enqueue_rollout,
     job_id,
@@ -80,7 +81,7 @@ async def drain(arq_worker: Any) -> None:
     try:
         await asyncio.wait_for(arq_worker.main(), 60)
     finally:
-        await arq_worker.close()
+        await close_worker(arq_worker)
 
 
 # ------------------------------------------------------------------------------ requeue

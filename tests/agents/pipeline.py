@@ -14,7 +14,7 @@ from rollq.consumers.trainer import TrainerClient
 from rollq.producers.envs.base import Env
 from rollq.producers.inference import SamplingParams
 from rollq.producers.publisher import Publisher
-from rollq.producers.worker import build_worker
+from rollq.producers.worker import build_worker, close_worker
 from rollq.schemas import ScoredGroup, TrajectoryGroup, decode_trajectory, encode
 from rollq.schemas.keys import stream_key
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
@@ -41,7 +41,7 @@ async def run_workers(url: str, redis: aioredis.Redis, env: Env, fake: AgentFake
     try:
         await asyncio.wait_for(arq_worker.main(), 100)
     finally:
-        await arq_worker.close()
+        await close_worker(arq_worker)
     return [decode_trajectory(fields) for _, fields in
             await redis.xrange(stream_key(RUN, 0, "traj"))]
 

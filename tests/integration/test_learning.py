@@ -128,7 +128,12 @@ async def test_weight_reload_changes_outputs_and_stamped_version(
                                        [e for e in before["logprobs"]["token_logprobs"]])
                 from rollq.producers.envs.registry import make_env
                 from rollq.producers.inference import SamplingParams
-                from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout
+                from rollq.producers.worker import (
+                    build_worker,
+                    close_worker,
+                    connect_queue,
+                    enqueue_rollout,
+                )
 
                 queue = await connect_queue(redis_server.url)
                 await enqueue_rollout(queue, "reload", "gsm8k", 0)
@@ -139,7 +144,7 @@ async def test_weight_reload_changes_outputs_and_stamped_version(
                     sampling=SamplingParams(max_tokens=8), group_size=2, concurrency=1,
                     job_timeout_s=60, max_tries=2, request_timeout_s=60, burst=True)
                 await worker.main()
-                await worker.close()
+                await close_worker(worker)
                 (entry,) = await real_redis.xrange(stream_key("reload", 0, "traj"))
                 assert decode_trajectory(entry[1]).policy_version == 7
             finally:

@@ -16,7 +16,14 @@ from rollq.producers.envs.registry import make_env
 from rollq.producers.feeder import Feeder, FeedPlan
 from rollq.producers.inference import SamplingParams
 from rollq.producers.publisher import Publisher
-from rollq.producers.worker import build_worker, connect_queue, enqueue_rollout, job_id, queue_name
+from rollq.producers.worker import (
+    build_worker,
+    close_worker,
+    connect_queue,
+    enqueue_rollout,
+    job_id,
+    queue_name,
+)
 from rollq.schemas import decode_trajectory
 from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
 from tests.integration.recording import RecordingTransport
@@ -51,7 +58,7 @@ async def test_workers_publish_exactly_what_vllm_returned(
     recorder = RecordingTransport()
     arq_worker = worker(redis_server.url, vllm_server, transport=recorder)
     await arq_worker.main()  # type: ignore[attr-defined]
-    await arq_worker.close()  # type: ignore[attr-defined]
+    await close_worker(arq_worker)
 
     groups = await traj_groups(real_redis)
     assert sorted(g.group_id for g in groups) == [job_id(RUN, "gsm8k", p) for p in range(3)]
@@ -82,7 +89,7 @@ async def test_multi_turn_episode_masks_env_tokens(
     arq_worker = worker(redis_server.url, vllm_server, "guess", transport=recorder,
                         max_tokens=8, max_guesses=3, truncated_turn="send")
     await arq_worker.main()  # type: ignore[attr-defined]
-    await arq_worker.close()  # type: ignore[attr-defined]
+    await close_worker(arq_worker)
     (group,) = await traj_groups(real_redis)
     served = {tuple(choice["token_ids"]): [e for e in choice["logprobs"]["token_logprobs"]]
               for reply in recorder.replies("/v1/completions") for choice in reply["choices"]}
@@ -134,7 +141,7 @@ async def test_killed_worker_job_is_rerun_with_the_same_group_id(
         if await real_redis.xlen(stream_key(RUN, 0, "traj")):
             break
         await asyncio.sleep(1)
-    await rerun.close()
+    await close_worker(rerun)
     (group,) = await traj_groups(real_redis)
     assert group.group_id == job_id(RUN, "gsm8k", 7)  # a second copy would carry the same id
 
@@ -159,7 +166,7 @@ async def test_feeder_paces_real_workers_by_the_published_version(
     await real_redis.hincrby(f"rollq:{{{RUN}:0}}:counters", "consumed", 2)
     assert await feeder.feed_once() == 2  # version 1 published: resumed
     await arq_worker.main()  # type: ignore[attr-defined]
-    await arq_worker.close()  # type: ignore[attr-defined]
+    await close_worker(arq_worker)
     await queue.aclose()
     groups = await traj_groups(real_redis)
     assert len(groups) == 4

@@ -21,6 +21,7 @@ from rollq.producers.inference import SamplingParams
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import (
     build_worker,
+    close_worker,
     connect_queue,
     enqueue_rollout,
     job_id,
@@ -86,7 +87,7 @@ async def test_a_broken_inference_url_stops_admission_within_twice_the_budget(
             stop.set()
             working.cancel()
             await asyncio.gather(feeding, working, return_exceptions=True)
-            await pool.close()
+            await close_worker(pool)
             await queue.aclose()
     dead = await dead_count(real_redis)
     assert BUDGET <= dead <= 2 * BUDGET

@@ -25,6 +25,7 @@ from rollq.producers.inference import SamplingParams
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import (
     build_worker,
+    close_worker,
     connect_queue,
     enqueue_rollout,
     job_id,
@@ -104,7 +105,7 @@ async def drain(url: str, env: Env, fake: FakeVLLM, **options: Any) -> None:
     try:
         await asyncio.wait_for(arq_worker.main(), 60)
     finally:
-        await arq_worker.close()
+        await close_worker(arq_worker)
 
 
 async def published(redis: aioredis.Redis) -> list[str]:
@@ -283,6 +284,29 @@ async def test_a_dead_lettered_job_is_requeued_under_the_same_group_id(
     assert env.calls == Counter({4: 2})
 
 
+async def test_closing_a_worker_whose_job_is_cancelled_before_its_handler_still_closes_it(
+        redis_server: RedisServer) -> None:
+    """A job task cancelled by the shutdown before arq's handler catches it (while arq reads
+    the job from Redis) ends cancelled: arq's own ``close`` then raises ``CancelledError``
+    and leaves its connections open (a CI run under load failed on those). ``close_worker``
+    closes it all the same."""
+    for close, raises in ((lambda w: w.close(), True), (close_worker, False)):
+        arq_worker = worker(redis_server.url, FlakyEnv(lambda index, call: None), FakeVLLM())
+        await arq_worker.main()  # a burst on an empty queue: connects, then returns
+        arq_worker.tasks["picked"] = asyncio.create_task(asyncio.sleep(60))  # a job in hand
+        try:
+            if raises:
+                with pytest.raises(asyncio.CancelledError):
+                    await close(arq_worker)
+                assert arq_worker._pool is not None  # never closed
+            else:
+                await close(arq_worker)
+                assert arq_worker._pool is None and not arq_worker.tasks
+        finally:
+            if arq_worker._pool is not None:
+                await close_worker(arq_worker)  # what was left open, on_shutdown's too
+
+
 async def test_a_try_cut_short_by_a_graceful_stop_goes_back_to_the_queue_uncounted(
         real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
     started = asyncio.Event()
@@ -306,7 +330,7 @@ async def test_a_try_cut_short_by_a_graceful_stop_goes_back_to_the_queue_uncount
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(running, 20)
     finally:
-        await stopping.close()
+        await close_worker(stopping)
     ident = job_id(RUN, env.name, 2)
     assert await real_redis.zscore(queue_name(RUN), ident) is not None  # back in the queue
     assert await published(real_redis) == [] and await dead_letters(real_redis) == {}
@@ -442,7 +466,7 @@ async def test_a_run_with_failing_inference_and_timeouts_finishes_its_dataset(
         stop.set()
         working.cancel()
         await asyncio.gather(feeding, working, return_exceptions=True)
-        await pool.close()
+        await close_worker(pool)
         await queue.aclose()
     groups = set(await published(real_redis))
     letters = await dead_letters(real_redis)
