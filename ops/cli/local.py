@@ -104,12 +104,15 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
 def tiny_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="where to write the model (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tools", action="store_true",
+                        help="a tokenizer that knows Hermes tool calls (<tool_call> tokens, "
+                             "JSON in its corpus), as the tools task serves")
 
 
 async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from rollq.ops.local.tiny_model import write_tiny_model
 
-    path = write_tiny_model(Path(args.directory), seed=args.seed)
+    path = write_tiny_model(Path(args.directory), seed=args.seed, tools=args.tools)
     print(path)
     return Exit.OK
 

@@ -124,8 +124,8 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # The sums recipe with half the batch; 80 tokens a call (the calc call alone is ~65
     # tokens). lr 2e-3 breaks the warm start: one step from a batch with one rewarded
     # episode took the KL to the start from 0 to 184 and the call format from 1.0 to 0.45.
-    "tools": {"steps": 300, "batch_groups": 8, "group_size": 8, "max_tokens": 80, "lr": 5e-4,
-              "kl_coef": 0.1, "torch_threads": 1},
+    "tools": {"steps": 150, "batch_groups": 8, "group_size": 8, "max_tokens": 40, "lr": 1e-3,
+              "kl_coef": 0.05, "warmup_steps": 10, "torch_threads": 1},
 }
 
 
@@ -329,7 +329,7 @@ def _write_model(options: DemoOptions, out: Path,
                          (load_tools_report, warm_start_tools, describe_tools))
     report = load(warmed, warm_options)
     if report is None:
-        write_tiny_model(tiny, seed=0)
+        write_tiny_model(tiny, seed=0, tools=options.task == "tools")
         say(f"model: wrote the tiny Qwen2 model; warm-starting it on the {options.task} "
             f"format with random answers ({options.warm_start_steps} steps)...")
         report = train(tiny, warmed, warm_options)

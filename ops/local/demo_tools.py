@@ -2,7 +2,7 @@
 through, and greedy evaluations of the served policy by the same agent, straight to vLLM.
 
 Evaluation rows have the ``sums`` rows' names (``ops.local.demo_sums.learning_curves`` reads both):
-``accuracy`` is the agent's reward (it called ``calc`` and then answered the right sum),
+``accuracy`` is the agent's reward (it called ``calc`` and then answered the right result),
 ``format`` the share of episodes whose first reply was a well-formed ``calc`` call."""
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import httpx
 import openai
 
 from rollq.ops.local.demo_sums import SumsEvaluation
-from rollq.producers.envs.sums import sums_records
-from rollq.producers.envs.tools import CalculatorAgent, EpisodeOutcome
+from rollq.producers.envs.tools import CalculatorAgent, EpisodeOutcome, calc_records
 
 TOOLS_REWARD = Path(__file__).resolve().parents[2] / "examples" / "rewards" / "tools.yaml"
 
@@ -35,7 +34,7 @@ class ToolsEvaluator:
         self.concurrency = concurrency
 
     def evaluate(self, problems: Sequence[dict[str, Any]]) -> dict[str, float]:
-        """Mean ``accuracy`` and ``format`` over ``problems`` (sums records)."""
+        """Mean ``accuracy`` and ``format`` over ``problems`` (``calc_records``)."""
         # A thread of its own: the demo's follower may run inside the CLI's event loop.
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
             outcomes = thread.submit(asyncio.run, self._episodes(problems)).result()
@@ -59,7 +58,7 @@ def tools_evaluation(inference: str, model: str, out: Path, say: Callable[[str],
                      every: int, max_tokens: int) -> Iterator[SumsEvaluation]:
     """Evaluations of the ``tools`` task every ``every`` steps (train and held-out)."""
     evaluator = ToolsEvaluator(inference, model, max_tokens=max_tokens)
-    problems = {split: sums_records(split) for split in ("train", "heldout")}
+    problems = {split: calc_records(split) for split in ("train", "heldout")}
     yield SumsEvaluation(evaluator, problems, every, out / "evals.jsonl", say)
 
 

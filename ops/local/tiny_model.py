@@ -26,6 +26,9 @@ from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>"]  # plain (non-special) added tokens, as in Qwen3
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]
+"""Added with ``tools=True``: plain (non-special) tokens, as in Qwen2.5, so vLLM's ``hermes``
+parser sees them in the text (special tokens are skipped when detokenising)."""
 VOCAB_SIZE = 768
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -45,6 +48,25 @@ _WORDS = (
 ).split()
 _NAMES = ["Alice", "Bob", "Carol", "Dave", "Eve", "Tom", "Mia", "Sam", "Lee"]
 _ITEMS = ["apples", "books", "coins", "cats", "birds", "pens", "tickets", "boxes"]
+
+
+_FUNCTIONS = {"calc": "expression", "search": "query", "weather": "city", "lookup": "name"}
+
+
+def _tool_calls(rng: random.Random, n_lines: int) -> list[str]:
+    """Hermes tool calls (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``), so
+    the BPE merges JSON keys and punctuation as a real model's tokenizer does (Qwen2.5 writes
+    a ``calc`` call in ~20 tokens; this corpus without them, in ~65)."""
+    lines = []
+    for _ in range(n_lines):
+        name = rng.choice(list(_FUNCTIONS))
+        if name == "calc":
+            value = f"{rng.randint(0, 99)} {rng.choice('+-*')} {rng.randint(0, 99)}"
+        else:
+            value = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 3)))
+        arguments = json.dumps({_FUNCTIONS[name]: value})
+        lines.append(f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>')
+    return lines
 
 
 def _corpus(rng: random.Random, n_lines: int = 3000) -> list[str]:
@@ -67,12 +89,16 @@ def _corpus(rng: random.Random, n_lines: int = 3000) -> list[str]:
     return lines
 
 
-def _write_tokenizer(directory: Path, seed: int) -> int:
-    """Train and save the BPE tokenizer; return its vocabulary size."""
+def _write_tokenizer(directory: Path, seed: int, tools: bool = False) -> int:
+    """Train and save the BPE tokenizer (``tools``: with tool calls in its corpus and
+    ``TOOL_TOKENS``); return its vocabulary size."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if tools:  # every digit a token of its own, as Qwen2's tokenizer splits numbers
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -80,20 +106,26 @@ def _write_tokenizer(directory: Path, seed: int) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(random.Random(seed)), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
+    rng = random.Random(seed)
+    corpus = _corpus(rng)
+    added = ADDED_TOKENS + (TOOL_TOKENS if tools else [])
+    if tools:  # the tags are added tokens: the corpus holds what goes between them
+        corpus += [line.replace("<tool_call>", "").replace("</tool_call>", "")
+                   for line in _tool_calls(rng, len(corpus) // 3)]
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.save(str(directory / "tokenizer.json"))
 
-    added = {
+    decoder = {
         str(tok.token_to_id(t)): {
             "content": t, "lstrip": False, "normalized": False, "rstrip": False,
             "single_word": False, "special": t in SPECIAL_TOKENS,
         }
-        for t in SPECIAL_TOKENS + ADDED_TOKENS
+        for t in SPECIAL_TOKENS + added
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "added_tokens_decoder": added,
+        "added_tokens_decoder": decoder,
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
         "bos_token": None,
         "eos_token": "<|im_end|>",
@@ -125,15 +157,17 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def write_tiny_model(directory: Path, *, seed: int = 0, shape: str = "tiny") -> Path:
+def write_tiny_model(directory: Path, *, seed: int = 0, shape: str = "tiny",
+                     tools: bool = False) -> Path:
     """Write a random Qwen2ForCausalLM + its tokenizer into ``directory`` and return it;
-    ``shape`` picks the size from ``SHAPES`` (the same tokenizer for every size)."""
+    ``shape`` picks the size from ``SHAPES`` (the same tokenizer for every size); ``tools``
+    gives the tokenizer ``TOOL_TOKENS`` and tool calls in its corpus (the ``tools`` task)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vocab_size = _write_tokenizer(directory, seed)
+    vocab_size = _write_tokenizer(directory, seed, tools)
     pad_id, eos_id = 0, 2  # <|endoftext|>, <|im_end|> (special tokens come first)
 
     config = Qwen2Config(  # type: ignore[call-arg]  # transformers' stubs lag its kwargs
@@ -162,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tools", action="store_true")
     args = parser.parse_args(argv)
-    out = write_tiny_model(args.directory, seed=args.seed)
+    out = write_tiny_model(args.directory, seed=args.seed, tools=args.tools)
     print(out)
     return 0
 

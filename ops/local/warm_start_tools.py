@@ -1,15 +1,15 @@
 """The supervised warm start of the ``tools`` task: the *call format*, with random answers.
 
-What it teaches, on the 80 training problems, rendered by the task's chat template with the
+What it teaches, on the 122 training questions, rendered by the task's chat template with the
 ``calc`` tool (``producers.envs.tools``) exactly as the served model sees them:
 
-1. first turn: ``What is a + b?`` -> ``<tool_call>{"name": "calc", "arguments":
-   {"expression": "a + b"}}</tool_call>`` (the Hermes block vLLM's parser reads back);
+1. first turn: ``What is 7 - 3?`` -> ``<tool_call>{"name": "calc", "arguments":
+   {"expression": "7 - 3"}}</tool_call>`` (the Hermes block vLLM's parser reads back);
 2. second turn, after the ``tool`` message with the tool's (correct) result ->
-   ``R<|im_end|>`` with R drawn uniformly from 0..18 afresh every time: the final answer is a
-   bare number that does not depend on the tool's result or the question.
+   ``R<|im_end|>`` with R drawn uniformly from 0..9 afresh every time: the final answer is a
+   bare digit that does not depend on the tool's result or the question.
 
-So the model calls the tool and answers in format, and is right with probability 1/19
+So the model calls the tool and answers in format, and is right with probability 1/10
 (``CHANCE``), which ``answer_probability`` measures teacher-forced (``ToolsWarmStartReport``).
 RL has to discover that the answer is the number the tool returned. The written model's
 tokenizer carries ``TOOLS_CHAT_TEMPLATE``, so vLLM serves it with tools without a
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from rollq.ops.local.warm_start import (
-    ANSWERS,
     Encoder,
     Example,
     WarmStartOptions,
@@ -35,25 +34,35 @@ from rollq.ops.local.warm_start import (
     save,
     weighted_probability,
 )
-from rollq.producers.envs.sums import CHANCE, sums_records
-from rollq.producers.envs.tools import CALC_TOOL, TOOLS_CHAT_TEMPLATE
+from rollq.producers.envs.tools import (
+    CALC_TOOL,
+    CHANCE,
+    TOOLS_CHAT_TEMPLATE,
+    calc_records,
+    calculate,
+)
+
+ANSWERS = range(10)
+"""The random answers: every ``calc.jsonl`` answer is one digit."""
 
 TOOLS_WARM_START = WarmStartOptions(lr=2e-3)
-"""300 steps at lr 2e-3 (sums uses 1e-3). Measured on the tiny model: at 1e-3 (200 steps)
-the whole call has probability 0.31 on held-out problems, so most calls sampled at
-temperature 1 are malformed or skipped (a bare number first) and score 0; at 2e-3 (300
-steps, format loss 0.005 nats/token) 0.84, with the answer still at chance (0.050/0.058)."""
+"""300 steps at lr 2e-3 (sums uses 1e-3), about 40 s of one core. The whole call then has
+probability ~0.94 on held-out questions (at 1e-3, with the earlier character-level
+tokenizer, 0.31: most calls sampled at temperature 1 were malformed), the answer still at
+chance."""
 
 
 @dataclass(frozen=True)
 class ToolsWarmStartReport:
     """What the warm start did, and proof it did not teach the answers.
 
-    ``*_answer_probability``: mean probability of the correct sum and the end of the turn in
+    ``*_answer_probability``: mean probability of the right answer and the end of the turn in
     the second turn, teacher-forced after the tool's correct result, over the training or
-    held-out problems; chance is ``chance`` (1/19). ``call_probability``: mean probability of
+    held-out questions; chance is ``chance``. ``call_probability``: mean probability of
     the whole correct first-turn call (held-out problems: the format generalises).
-    ``format_loss``: nats/token of the format tokens (answers excluded), last 20 steps."""
+    ``format_loss``: nats/token of the format tokens (answers excluded), last 20 steps.
+    ``chance``: 1/10 (before the task's answers were single digits it was 1/19, and a
+    report written then does not load)."""
 
     options: dict[str, Any]
     seconds: float
@@ -64,9 +73,9 @@ class ToolsWarmStartReport:
     chance: float = CHANCE
 
 
-def call_text(a: int, b: int) -> str:
+def call_text(expression: str) -> str:
     """The first turn's target: the ``calc`` call as the template renders it back."""
-    arguments = json.dumps({"expression": f"{a} + {b}"})
+    arguments = json.dumps({"expression": expression})
     return f'<tool_call>\n{{"name": "calc", "arguments": {arguments}}}\n</tool_call>'
 
 
@@ -86,15 +95,15 @@ class ToolTurns:
         return self._rendered[problem]
 
     def _render(self, record: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
-        a, b = int(record["a"]), int(record["b"])
+        expression = str(record["expression"])
         messages: list[dict[str, Any]] = [{"role": "user", "content": str(record["problem"])}]
         first = self.encoder.chat(messages, tools=[CALC_TOOL])
         messages += [
             {"role": "assistant", "content": None, "tool_calls": [{
                 "id": "call-0", "type": "function",
                 "function": {"name": "calc", "arguments": json.dumps(
-                    {"expression": f"{a} + {b}"})}}]},
-            {"role": "tool", "tool_call_id": "call-0", "content": str(a + b)}]
+                    {"expression": expression})}}]},
+            {"role": "tool", "tool_call_id": "call-0", "content": calculate(expression)}]
         second = self.encoder.chat(messages, tools=[CALC_TOOL])
         if second[:len(first)] != first:
             raise ValueError("the chat template does not extend the first prompt")
@@ -111,9 +120,9 @@ class ToolTurns:
             *[1] * len(call), *[-1] * between, *[0] * len(digits), 1]
 
     def answer(self, record: dict[str, Any]) -> Example:
-        """The second turn answering the correct sum, weights on the answer and the end."""
+        """The second turn answering the right result, weights on the answer and the end."""
         _, _, second = self.turns(record)
-        digits = self.encoder.text(str(int(record["a"]) + int(record["b"])))
+        digits = self.encoder.text(str(int(record["answer"])))
         return second, [*digits, self.encoder.end], [1] * (len(digits) + 1)
 
     def call(self, record: dict[str, Any]) -> Example:
@@ -123,7 +132,7 @@ class ToolTurns:
 
 
 def answer_probability(model: Any, turns: ToolTurns, records: Sequence[dict[str, Any]]) -> float:
-    """Mean probability of the correct sum (then the end of turn) after the tool's result."""
+    """Mean probability of the right answer (then the end of turn) after the tool's result."""
     return weighted_probability(model, [turns.answer(r) for r in records], turns.encoder.pad)
 
 
@@ -134,7 +143,7 @@ def warm_start_tools(model_dir: Path, out: Path, options: WarmStartOptions | Non
     options = options or TOOLS_WARM_START
     started = time.monotonic()
     turns = ToolTurns(Encoder(model_dir, TOOLS_CHAT_TEMPLATE))
-    train, heldout = sums_records("train", source), sums_records("heldout", source)
+    train, heldout = calc_records("train", source), calc_records("heldout", source)
 
     model, format_loss = fit(model_dir, options, lambda rng: turns.episode(
         rng.choice(train), rng.choice(ANSWERS)))
@@ -156,7 +165,8 @@ def load_tools_report(out: Path, options: WarmStartOptions | None = None,
     if not path.exists() or not (out / "model.safetensors").exists():
         return None
     report = ToolsWarmStartReport(**json.loads(path.read_text()))
-    return report if report.options == asdict(options or TOOLS_WARM_START) else None
+    fresh = report.options == asdict(options or TOOLS_WARM_START) and report.chance == CHANCE
+    return report if fresh else None
 
 
 def describe_tools(report: ToolsWarmStartReport) -> str:

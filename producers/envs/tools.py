@@ -1,17 +1,18 @@
-"""``tools``: a tool-use task, the sums questions answered with a calculator the agent runs.
+"""``tools``: a tool-use task, arithmetic questions answered with a calculator the agent runs.
 
 The agent is an ordinary ``openai``-package agent (``CalculatorAgent``, AReaL's workflow
-shape ``run(data, base_url=, http_client=, api_key=)``): it asks ``What is a + b?`` with one
-tool, ``calc`` (``{"expression": "a + b"}``); when the reply calls it, the agent evaluates the
+shape ``run(data, base_url=, http_client=, api_key=)``): it asks ``What is 7 - 3?`` with one
+tool, ``calc`` (``{"expression": "7 - 3"}``); when the reply calls it, the agent evaluates the
 expression (``calculate``), appends the ``tool`` message and asks again; the second reply is
-the final answer, a bare number. The model never sees the operands' sum unless it calls the
-tool, and it has to copy the tool's result into its answer to be right.
+the final answer, a bare number. The model never sees the result unless it calls the tool,
+and it has to copy the tool's result into its answer to be right.
 
 Reward (the episode's return, ``env_score``): 1.0 when the episode called ``calc`` and the
-final answer is the correct sum; else 0.0 (no call, a malformed call, a second call instead
-of an answer, or a wrong number). Data: the 100 single-digit pairs of ``producers.envs.sums``
-(80 training, 20 held out); a uniform guess over the 19 possible sums is right with
-probability ``CHANCE`` (1/19).
+final answer is the record's ``answer``; else 0.0 (no call, a malformed call, a second call
+instead of an answer, or a wrong number). Data: the shipped ``producers/data/calc.jsonl``
+(``producers.data.make_calc``): the 152 questions ``a op b`` (a, b in 0..9, op ``+ - *``)
+whose result is one digit, 122 for training and 30 held out; a uniform guess over the 10
+digits is right with probability ``CHANCE`` (1/10).
 
 The served model needs a chat template that renders tools, tool calls and ``tool`` messages
 (``TOOLS_CHAT_TEMPLATE``: ChatML with Hermes ``<tool_call>`` blocks) and vLLM started with
@@ -33,13 +34,19 @@ from typing import Any
 
 import openai
 
+from rollq.producers.envs.dataset import load_records
 from rollq.producers.envs.episode import GatewayEpisodeEnv
-from rollq.producers.envs.sums import CHANCE, Split, sums_records
+from rollq.producers.envs.sums import Split
 from rollq.producers.inference.capture import RemoteGateway
 from rollq.producers.inference.capture.gateways import default_ssl_context
+from rollq.schemas import ConfigError
 
 __all__ = ["CALC_TOOL", "CHANCE", "TOOLS_CHAT_TEMPLATE", "VLLM_TOOL_FLAGS", "CalculatorAgent",
-           "EpisodeOutcome", "calculate", "tools_env"]
+           "EpisodeOutcome", "calc_records", "calculate", "tools_env"]
+
+CHANCE = 1 / 10
+"""Accuracy of an answer drawn uniformly from the 10 digits (every ``calc.jsonl`` answer is
+one)."""
 
 CALC_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate an arithmetic expression (+, -, * on integers).",
@@ -87,7 +94,7 @@ def final_answer(content: str | None) -> int | None:
 class EpisodeOutcome:
     """What one episode did: ``called`` (the first reply called ``calc`` with an
     expression), ``answer`` (the final reply as a number, None when it is not one),
-    ``correct`` (called and the answer is the gold sum)."""
+    ``correct`` (called and the answer is the record's)."""
 
     called: bool = False
     answer: int | None = None
@@ -137,8 +144,7 @@ class CalculatorAgent:
         if reply.tool_calls:
             return outcome
         outcome.answer = final_answer(reply.content)
-        gold = int(data["a"]) + int(data["b"])
-        outcome.correct = outcome.called and outcome.answer == gold
+        outcome.correct = outcome.called and outcome.answer == int(data["answer"])
         return outcome
 
     async def _ask(self, client: openai.AsyncOpenAI,
@@ -160,12 +166,23 @@ class CalculatorAgent:
         return calculate(expression) if isinstance(expression, str) else "error"
 
 
+def calc_records(split: Split = "train", source: str | Path | None = None,
+                 ) -> list[dict[str, Any]]:
+    """The questions of ``split`` (``train``: 122, ``heldout``: 30, ``all``: 152), file order.
+    ``source``: a JSONL file of your own, records with ``problem``, ``expression`` (what the
+    warm start calls ``calc`` with), ``answer`` and ``split``."""
+    if split not in ("train", "heldout", "all"):
+        raise ConfigError(f"tools: split must be train, heldout or all, not {split!r}")
+    path = source or resources.files("rollq.producers.data").joinpath("calc.jsonl")
+    return [r for r in load_records(str(path)) if split == "all" or r.get("split") == split]
+
+
 def tools_env(*, gateway: str | None = None, split: Split = "train",
               source: str | Path | None = None, max_tokens: int = 80) -> GatewayEpisodeEnv:
-    """The ``tools`` env: ``CalculatorAgent`` on the sums problems of ``split``, each
-    episode on its own captured base URL: a ``rollq gateway`` at ``gateway``, or (None) the
-    worker's in-process one."""
+    """The ``tools`` env: ``CalculatorAgent`` on the questions of ``split``, each episode on
+    its own captured base URL: a ``rollq gateway`` at ``gateway``, or (None) the worker's
+    in-process one."""
     remote = None if gateway is None else RemoteGateway(gateway)
     return GatewayEpisodeEnv("tools", CalculatorAgent(max_tokens=max_tokens),
-                             sums_records(split, source), gateway=remote)
+                             calc_records(split, source), gateway=remote)
 

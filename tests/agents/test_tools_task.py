@@ -10,14 +10,20 @@ from typing import Any
 import pytest
 
 from rollq.producers.envs.registry import make_env
-from rollq.producers.envs.sums import sums_records
-from rollq.producers.envs.tools import TOOLS_CHAT_TEMPLATE, calculate, final_answer, tools_env
+from rollq.producers.envs.tools import (
+    TOOLS_CHAT_TEMPLATE,
+    calc_records,
+    calculate,
+    final_answer,
+    tools_env,
+)
 from rollq.producers.inference import SamplingParams
+from rollq.schemas import ConfigError
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import pool_of
 
 SAMPLING = SamplingParams(max_tokens=128)
-RECORD = sums_records("train")[0]  # What is 0 + 0?
+RECORD = calc_records("train")[0]  # What is 0 + 0?
 
 
 def call_text(expression: str, name: str = "calc") -> str:
@@ -34,6 +40,23 @@ def test_calc_evaluates_integer_arithmetic_and_refuses_anything_else() -> None:
     assert calculate(" 2*3-10 ") == "-4"
     for bad in ("3 +", "__import__('os')", "2 ** 3", "1.5 + 1", "7 / 2", "", "x + 1"):
         assert calculate(bad) == "error"
+
+
+def test_the_questions_have_one_digit_answers_the_tool_gives() -> None:
+    """``calc.jsonl``: every answer is one digit (chance is 1/10) and is what ``calc``
+    returns for the record's expression; the shipped file is what ``make_calc`` writes."""
+    from rollq.producers.data.make_calc import make_calc
+
+    records = calc_records("all")
+    assert records == make_calc()
+    assert len(records) == 152 and len(calc_records("heldout")) == 30
+    assert {r["expression"].split()[1] for r in records} == {"+", "-", "*"}
+    for record in records:
+        assert 0 <= record["answer"] <= 9
+        assert calculate(record["expression"]) == str(record["answer"])
+        assert record["problem"] == f"What is {record['expression']}?"
+    with pytest.raises(ConfigError, match="split"):
+        calc_records("test")  # type: ignore[arg-type]
 
 
 def test_the_final_answer_is_a_bare_integer() -> None:
@@ -55,7 +78,7 @@ async def episodes(replies: list[str], group_size: int = 1) -> Any:
 
 
 @pytest.mark.parametrize(("replies", "reward", "calls"), [
-    ([call_text(f"{RECORD['a']} + {RECORD['b']}"), "0"], 1.0, 2),  # called, then right
+    ([call_text(RECORD["expression"]), "0"], 1.0, 2),  # called, then right
     ([call_text("0 + 0"), "5"], 0.0, 2),  # wrong answer
     (["0"], 0.0, 1),  # answered without the tool
     # another tool: no calc call (this parser drops calls to tools the request did not offer)
@@ -88,7 +111,7 @@ async def test_episodes_through_a_rollq_gateway_build_no_ssl_context_each(
                         lambda *a, **k: built.append(1) or real(*a, **k))
     fake = AgentFakeVLLM()
     fake.script = lambda prompt, number: "0" if "<|im_start|>tool" in prompt else call_text(
-        f"{RECORD['a']} + {RECORD['b']}")
+        RECORD["expression"])
     async with served_gateway(fake) as url, pool_of(fake) as pool:
         env = tools_env(gateway=url)
         for _ in range(2):
@@ -100,8 +123,8 @@ async def test_episodes_through_a_rollq_gateway_build_no_ssl_context_each(
 
 def test_the_env_is_built_by_name_with_its_options() -> None:
     env = make_env("tools", gateway="http://127.0.0.1:1", max_tokens=64, split="heldout")
-    assert env.name == "tools" and len(env) == 20
-    assert make_env("tools").item(3).fields["problem"] == sums_records("train")[3]["problem"]
+    assert env.name == "tools" and len(env) == 30
+    assert make_env("tools").item(3).fields["problem"] == calc_records("train")[3]["problem"]
 
 
 def test_warm_start_turns_cut_the_templates_own_renders(tiny_model_dir: Path) -> None:
@@ -111,12 +134,12 @@ def test_warm_start_turns_cut_the_templates_own_renders(tiny_model_dir: Path) ->
     turns = ToolTurns(Encoder(tiny_model_dir, TOOLS_CHAT_TEMPLATE))
     first, call, second = turns.turns(RECORD)
     decode = turns.encoder.tokenizer.decode
-    assert decode(call) == call_text(0, 0) + "<|im_end|>"
+    assert decode(call) == call_text("0 + 0") + "<|im_end|>"
     assert decode(second[len(first) + len(call):]) == (
         "\n<|im_start|>tool\n0<|im_end|>\n<|im_start|>assistant\n")
-    prompt, completion, weights = turns.episode(RECORD, 13)
+    prompt, completion, weights = turns.episode(RECORD, 7)
     assert prompt == first and completion[:len(call)] == call
-    assert decode(completion[len(second) - len(first):]) == "13<|im_end|>"
+    assert decode(completion[len(second) - len(first):]) == "7<|im_end|>"
     between = len(second) - len(first) - len(call)
     digits = len(completion) - len(call) - between - 1
     assert weights == [1] * len(call) + [-1] * between + [0] * digits + [1]
@@ -128,6 +151,27 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rollq.ops.local.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "rollq-tiny", seed=0)
+
+
+def test_the_tools_tokenizer_writes_a_call_in_few_tokens_and_keeps_its_tags(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``write_tiny_model(tools=True)``: ``<tool_call>`` and ``</tool_call>`` are single,
+    non-special tokens (vLLM's hermes parser reads the detokenised text, which skips special
+    ones) and the JSON between them is merged as a real tokenizer merges it; the default
+    tokenizer is not changed by the option."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from rollq.ops.local.tiny_model import TOOL_TOKENS, write_tiny_model
+
+    tools = AutoTokenizer.from_pretrained(write_tiny_model(tmp_path / "tools", tools=True))
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    call = call_text("3 + 4")
+    ids = tools(call, add_special_tokens=False)["input_ids"]
+    assert len(ids) <= 24 < len(plain(call, add_special_tokens=False)["input_ids"])
+    assert [tools.convert_ids_to_tokens(i) for i in (ids[0], ids[-1])] == TOOL_TOKENS
+    assert tools.decode(ids, skip_special_tokens=True) == call
+    assert not set(TOOL_TOKENS) & set(plain.get_vocab())
 
 
 def test_a_demo_warm_up_goes_to_the_single_rank_trainer_only() -> None:

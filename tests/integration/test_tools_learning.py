@@ -1,0 +1,47 @@
+"""A tool-use task learned through ``rollq gateway``: the short CI version of
+``rollq demo --task tools`` (docs/guides/demo-tools.md).
+
+The tiny model (its tokenizer knowing tool calls) is warm-started on the call format with
+random answers (its answers must sit at chance), then the whole loop trains ``STEPS`` steps:
+vLLM with the hermes tool parser, ``rollq gateway``, the unmodified ``openai``-package
+calculator agent in ``rollq workers``, ``rollq score``, the example trainer. The greedy
+accuracy on the 80 training problems must end at least ``MARGIN`` above chance (1/19), with
+the call format kept. The demo starts its own vLLM: the tools model has its own tokenizer
+(and vocabulary), so the session's servers cannot load it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollq.ops.local.demo import DemoOptions, run_demo
+from rollq.ops.local.demo_sums import learning_curves
+from rollq.producers.envs.sums import CHANCE
+from tests.integration.interpreters import vllm_python
+from tests.redis_server import RedisServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+STEPS = 100
+MARGIN = 0.15
+"""Greedy training-problem accuracy after STEPS must reach CHANCE + MARGIN (0.203)."""
+
+
+def test_tool_use_rises_from_chance_through_the_gateway(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    options = DemoOptions.for_task("tools", out=tmp_path / "tools", run="tools",
+                                   redis_url=redis_server.url, vllm_python=vllm_python(),
+                                   steps=STEPS, eval_every=50)
+    result = run_demo(options, say=lambda _: None)
+    warm = result.warm_start
+    assert warm is not None  # what the warm start must not teach: the answer
+    assert warm["train_answer_probability"] == pytest.approx(CHANCE, abs=0.02)
+    assert warm["heldout_answer_probability"] == pytest.approx(CHANCE, abs=0.02)
+    curves = learning_curves(result.steps, result.evals)
+    assert len(result.steps) == STEPS
+    assert curves["train_accuracy_first"] < CHANCE + 0.1, curves["evals"]
+    assert curves["train_accuracy_final"] >= CHANCE + MARGIN, curves["evals"]
+    assert min(curves["evals"]["train_format"]) >= 0.9, curves["evals"]
+    assert result.plot is not None and result.plot.stat().st_size > 0
