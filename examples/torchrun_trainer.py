@@ -43,7 +43,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from grpo_trainer import component_means, grpo_loss, kl_penalty, publish, sync_record
+from grpo_trainer import (
+    component_means,
+    grpo_loss,
+    kl_penalty,
+    learning_rate,
+    publish,
+    sync_record,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -86,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens of a packed micro-batch (gradient accumulation) [8192]")
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup-steps", type=int, default=0,
+                        help="raise the learning rate linearly over the first N steps [0: none]")
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
@@ -291,6 +300,8 @@ def train(args: argparse.Namespace) -> int:
                                         stats["clip_fraction"] * local, float(kl.detach()), local],
                                        dtype=torch.float64)
             clip_gradients(model)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(args, step + 1)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1

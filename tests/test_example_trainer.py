@@ -98,11 +98,13 @@ def test_the_learning_rate_warms_up_linearly_then_stays() -> None:
     sys.path.insert(0, str(TRAINER.parent))
     try:
         import grpo_trainer
+        import torchrun_trainer  # its ranks take the same ramp
     finally:
         sys.path.remove(str(TRAINER.parent))
     common = ["--model", "m", "--out", "o", "--lr", "1e-3"]
-    ramp = grpo_trainer.parse_args([*common, "--warmup-steps", "10"])
-    assert [grpo_trainer.learning_rate(ramp, s) for s in (1, 5, 10, 11, 300)] == pytest.approx(
-        [1e-4, 5e-4, 1e-3, 1e-3, 1e-3])
-    flat = grpo_trainer.parse_args(common)
-    assert grpo_trainer.learning_rate(flat, 1) == 1e-3
+    for trainer in (grpo_trainer, torchrun_trainer):
+        ramp = trainer.parse_args([*common, "--warmup-steps", "10"])
+        assert [grpo_trainer.learning_rate(ramp, s) for s in (1, 5, 10, 11, 300)] == (
+            pytest.approx([1e-4, 5e-4, 1e-3, 1e-3, 1e-3]))
+        flat = trainer.parse_args(common)
+        assert grpo_trainer.learning_rate(flat, 1) == 1e-3

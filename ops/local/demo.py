@@ -61,7 +61,7 @@ Task = Literal["digits", "sums", "tools"]
 LEARNING_TASKS = ("sums", "tools")
 """Tasks evaluated greedily during the run, with learning curves and a warm start."""
 TITLES = {"sums": "rollq demo --task sums: single-digit sums",
-          "tools": "rollq demo --task tools: sums with a calc tool, through rollq gateway"}
+          "tools": "rollq demo --task tools: arithmetic with a calc tool, through rollq gateway"}
 
 DEMO_REWARD = """\
 # The demo's reward: the fraction of digit characters in the completion. Dense, so a tiny
@@ -124,7 +124,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # The sums recipe with half the batch; 80 tokens a call (the calc call alone is ~65
     # tokens). lr 2e-3 breaks the warm start: one step from a batch with one rewarded
     # episode took the KL to the start from 0 to 184 and the call format from 1.0 to 0.45.
-    "tools": {"steps": 150, "batch_groups": 8, "group_size": 8, "max_tokens": 40, "lr": 1e-3,
+    "tools": {"steps": 180, "batch_groups": 8, "group_size": 8, "max_tokens": 40, "lr": 1e-3,
               "kl_coef": 0.05, "warmup_steps": 10, "torch_threads": 1},
 }
 
@@ -283,12 +283,23 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
     flipped = " (flipped advantages)" if options.flip_advantages else ""
     if steps and options.task in LEARNING_TASKS:
         result.plot = plot_learning(steps, evals, out / "learning.png",
-                                    TITLES[options.task] + flipped)
+                                    TITLES[options.task] + flipped, **_plotted(options.task))
     elif steps:
         result.plot = plot_rewards(steps, out / "reward.png",
                                    "rollq demo: digit-fraction reward" + flipped)
     _write_summary(result, options)
     return result
+
+
+def _plotted(task: Task) -> dict[str, Any]:
+    """What ``plot_learning`` is told of ``task``'s evaluations: problems and chance (the
+    ``sums`` values are its defaults)."""
+    if task != "tools":
+        return {}
+    from rollq.producers.envs.tools import CHANCE, calc_records
+
+    return {"problems": (len(calc_records("train")), len(calc_records("heldout"))),
+            "chance": CHANCE, "chance_text": f"1/{round(1 / CHANCE)}"}
 
 
 def _evaluation(options: DemoOptions, inference: str, out: Path,
@@ -385,8 +396,6 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
     if options.kl_coef:
         argv += ["--kl-coef", str(options.kl_coef)]
     if options.warmup_steps:
-        if options.trainer_ranks > 1:
-            raise ConfigError("a learning-rate warm-up needs the single-rank trainer")
         argv += ["--warmup-steps", str(options.warmup_steps)]
     if options.torch_threads:
         argv += ["--torch-threads", str(options.torch_threads)]

@@ -122,15 +122,16 @@ def _rolling_min(values: list[float | None], window: int) -> float | None:
 
 
 def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path: Path,
-                  title: str) -> Path:
-    """Format reward and batch accuracy per step, evaluated accuracies, chance: one plot."""
+                  title: str, *, problems: tuple[int, int] = (80, 20), chance: float = 1 / 19,
+                  chance_text: str = "1/19") -> Path:
+    """Format reward and batch accuracy per step, evaluated accuracies, chance: one plot.
+    ``problems``: how many training and held-out problems the evaluations answer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rollq.producers.envs.sums import CHANCE
-
+    train, heldout = problems
     curves = learning_curves(steps, evals)
     figure, axis = plt.subplots(figsize=(8, 4.5))
     if any(value is not None for value in curves["steps"]["format"]):  # tools has none
@@ -139,12 +140,12 @@ def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path
     axis.plot(curves["steps"]["step"], curves["steps"]["batch_accuracy"], color="tab:blue",
               alpha=0.35, linewidth=1, label="accuracy, sampled (batch)")
     axis.plot(curves["evals"]["step"], curves["evals"]["train_format"], color="tab:gray",
-              linestyle="--", marker=".", label="format, 80 training problems (greedy)")
+              linestyle="--", marker=".", label=f"format, {train} training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["train_accuracy"], color="tab:blue",
-              marker="o", label="accuracy, 80 training problems (greedy)")
+              marker="o", label=f"accuracy, {train} training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["heldout_accuracy"], color="tab:orange",
-              marker="s", label="accuracy, 20 held-out problems (greedy)")
-    axis.axhline(CHANCE, color="tab:red", linestyle=":", label="chance (1/19)")
+              marker="s", label=f"accuracy, {heldout} held-out problems (greedy)")
+    axis.axhline(chance, color="tab:red", linestyle=":", label=f"chance ({chance_text})")
     axis.set_xlabel("trainer step")
     axis.set_ylim(-0.02, 1.05)
     axis.set_title(title)

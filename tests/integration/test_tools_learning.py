@@ -2,11 +2,11 @@
 ``rollq demo --task tools`` (docs/guides/demo-tools.md).
 
 The tiny model (its tokenizer knowing tool calls) is warm-started on the call format with
-random answers (its answers must sit at chance), then the whole loop trains ``STEPS`` steps:
-vLLM with the hermes tool parser, ``rollq gateway``, the unmodified ``openai``-package
+random answers (its answers must sit at chance, 1/10), then the whole loop trains ``STEPS``
+steps: vLLM with the hermes tool parser, ``rollq gateway``, the unmodified ``openai``-package
 calculator agent in ``rollq workers``, ``rollq score``, the example trainer. The greedy
-accuracy on the 80 training problems must end at least ``MARGIN`` above chance (1/19), with
-the call format kept. The demo starts its own vLLM: the tools model has its own tokenizer
+accuracy on the 122 training questions must end at least ``MARGIN`` above chance, with the
+call format kept. The demo starts its own vLLM: the tools model has its own tokenizer
 (and vocabulary), so the session's servers cannot load it.
 """
 
@@ -18,15 +18,18 @@ import pytest
 
 from rollq.ops.local.demo import DemoOptions, run_demo
 from rollq.ops.local.demo_sums import learning_curves
-from rollq.producers.envs.sums import CHANCE
+from rollq.producers.envs.tools import CHANCE
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-STEPS = 100
-MARGIN = 0.15
-"""Greedy training-problem accuracy after STEPS must reach CHANCE + MARGIN (0.203)."""
+STEPS = 150
+MARGIN = 0.2
+"""Greedy training-question accuracy after STEPS must reach CHANCE + MARGIN (0.30).
+Measured (2 CPU cores, the demo's recipe): 0.96, 0.74 and 1.0 at step 150 in three runs
+(docs/guides/demo-tools.md); the copy takes off between steps 75 and 150, the greedy
+accuracy sitting at 0.19 (the policy answering 0 to everything) before it."""
 
 
 def test_tool_use_rises_from_chance_through_the_gateway(
