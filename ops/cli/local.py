@@ -21,9 +21,9 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=("digits", "sums", "tools"), default="digits",
                         help="digits: the digit-fraction toy reward; sums: single-digit sums "
                         "scored by format + math-verify accuracy, from a format warm start, "
-                        "with train and held-out accuracy curves; tools: one-digit arithmetic (+ - *) asked "
-                        "of an openai agent that must call a calc tool, through rollq gateway "
-                        "[digits]")
+                        "with train and held-out accuracy curves; tools: one-digit arithmetic "
+                        "(+ - *) asked of an openai agent that must call a calc tool, through "
+                        "rollq gateway [digits]")
     parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600; tools 180]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
                         f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
@@ -31,7 +31,8 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inference", help="use this running vLLM server instead")
     parser.add_argument("--model", type=Path,
                         help="with --inference: the HF model directory that server serves")
-    parser.add_argument("--lr", type=float, help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3]")
+    parser.add_argument("--lr", type=float,
+                        help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3]")
     parser.add_argument("--group-size", type=int, help="completions per group [8]")
     parser.add_argument("--batch-groups", type=int, help="groups per step [8; sums 16]")
     parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20; tools 40]")

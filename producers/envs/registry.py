@@ -8,9 +8,10 @@ Built-in names:
 - ``guess``: the number-guessing game (``producers.envs.guess``) as an ``EpisodeEnv``.
 - ``sums``: single-digit sums (``producers.envs.sums``); ``split`` is ``train`` (default),
   ``heldout`` or ``all``; ``source`` defaults to the shipped ``sums.jsonl``.
-- ``tools``: single-digit arithmetic (``+ - *``) answered by an ``openai`` agent with a ``calc`` tool
-  (``producers.envs.tools``); ``gateway`` (a ``rollq gateway`` URL; default: in-process),
-  ``split``, ``source``, ``max_tokens`` (per call). Needs the ``openai`` package.
+- ``tools``: one-digit arithmetic (``+ - *``) answered by an ``openai`` agent with a
+  ``calc`` tool (``producers.envs.tools``); ``gateway`` (a ``rollq gateway`` URL; default:
+  in-process), ``split``, ``source``, ``max_tokens`` (per call). Needs the ``openai``
+  package.
 - ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``areal:MODULE:ATTRIBUTE``: other ecosystems' envs
   (``producers.envs.kinds``).
 
