@@ -22,21 +22,23 @@ from rollq.producers.envs.tools import CHANCE
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-STEPS = 150
+STEPS = 180
 MARGIN = 0.2
-"""Greedy training-question accuracy after STEPS must reach CHANCE + MARGIN (0.30).
-Measured (2 CPU cores, the demo's recipe): 0.96, 0.74 and 1.0 at step 150 in three runs
-(docs/guides/demo-tools.md); the copy takes off between steps 75 and 150, the greedy
-accuracy sitting at 0.19 (the policy answering 0 to everything) before it."""
+"""Greedy training-question accuracy after STEPS (the demo's default) must reach CHANCE +
+MARGIN (0.30). Measured (2 CPU cores, the demo's recipe): 0.96, 0.74 and 1.0 at step
+150 in three demo runs (docs/guides/demo-tools.md), 0.57 in a CI run of this test at 150
+steps (4.7 s a step beside the session's idle vLLM servers, which busy-poll); the copy
+takes off between steps 75 and 150, the greedy accuracy sitting at 0.19 (the policy
+answering 0 to everything) before it. About 15 minutes here."""
 
 
 def test_tool_use_rises_from_chance_through_the_gateway(
         redis_server: RedisServer, tmp_path: Path) -> None:
     options = DemoOptions.for_task("tools", out=tmp_path / "tools", run="tools",
                                    redis_url=redis_server.url, vllm_python=vllm_python(),
-                                   steps=STEPS, eval_every=50)
+                                   steps=STEPS, eval_every=60)
     result = run_demo(options, say=lambda _: None)
     warm = result.warm_start
     assert warm is not None  # what the warm start must not teach: the answer
