@@ -31,12 +31,18 @@ def sums_path() -> str:
     return str(resources.files("rollq.producers.data").joinpath("sums.jsonl"))
 
 
+def split_records(task: str, source: str | Path, split: Split) -> list[dict[str, Any]]:
+    """The records of ``source`` whose ``split`` field is ``split`` (``all``: every one), in
+    file order; a bad ``split`` is a ``ConfigError`` naming ``task``. The shipped tasks'
+    files (``sums``, ``tools``) mark each record ``train`` or ``heldout``."""
+    if split not in ("train", "heldout", "all"):
+        raise ConfigError(f"{task}: split must be train, heldout or all, not {split!r}")
+    return [r for r in load_records(source) if split == "all" or r.get("split") == split]
+
+
 def sums_records(split: Split = "train", source: str | Path | None = None) -> list[dict[str, Any]]:
     """The records of ``split`` (``train``: 80, ``heldout``: 20, ``all``: 100), file order."""
-    if split not in ("train", "heldout", "all"):
-        raise ConfigError(f"sums: split must be train, heldout or all, not {split!r}")
-    records = load_records(source or sums_path())
-    return [r for r in records if split == "all" or r.get("split") == split]
+    return split_records("sums", source or sums_path(), split)
 
 
 def sums_env(*, split: Split = "train", source: str | Path | None = None, name: str = "sums",

@@ -34,12 +34,10 @@ from typing import Any
 
 import openai
 
-from rollq.producers.envs.dataset import load_records
 from rollq.producers.envs.episode import GatewayEpisodeEnv
-from rollq.producers.envs.sums import Split
+from rollq.producers.envs.sums import Split, split_records
 from rollq.producers.inference.capture import RemoteGateway
 from rollq.producers.inference.capture.gateways import default_ssl_context
-from rollq.schemas import ConfigError
 
 __all__ = ["CALC_TOOL", "CHANCE", "TOOLS_CHAT_TEMPLATE", "VLLM_TOOL_FLAGS", "CalculatorAgent",
            "EpisodeOutcome", "calc_records", "calculate", "tools_env"]
@@ -171,10 +169,8 @@ def calc_records(split: Split = "train", source: str | Path | None = None,
     """The questions of ``split`` (``train``: 122, ``heldout``: 30, ``all``: 152), file order.
     ``source``: a JSONL file of your own, records with ``problem``, ``expression`` (what the
     warm start calls ``calc`` with), ``answer`` and ``split``."""
-    if split not in ("train", "heldout", "all"):
-        raise ConfigError(f"tools: split must be train, heldout or all, not {split!r}")
-    path = source or resources.files("rollq.producers.data").joinpath("calc.jsonl")
-    return [r for r in load_records(str(path)) if split == "all" or r.get("split") == split]
+    shipped = resources.files("rollq.producers.data").joinpath("calc.jsonl")
+    return split_records("tools", source or str(shipped), split)
 
 
 def tools_env(*, gateway: str | None = None, split: Split = "train",
