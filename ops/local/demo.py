@@ -138,7 +138,8 @@ class DemoResult:
     plot: Path | None = None
     drops: dict[str, int] = field(default_factory=dict)
     evals: list[dict[str, Any]] = field(default_factory=list)
-    """``sums``: one row per evaluation (step, seconds, train/held-out accuracy and format)."""
+    """``sums``, ``tools``: one row per evaluation (step, seconds, train/held-out accuracy and
+    format; ``tools``: the episodes not in format, by reason)."""
     warm_start: dict[str, Any] | None = None
 
     def reward_at(self, first: bool, window: int = 5) -> float:

@@ -36,8 +36,11 @@ class SumsEvaluation:
         self.rows.append(row)
         with self.path.open("a") as log:
             log.write(json.dumps(row) + "\n")
+        failures = ", ".join(f"{why} {count}" for why, count in
+                             row.get("train_failures", {}).items())  # tools: why not well formed
         self.say(f"eval at step {step:>4}: train accuracy {row['train_accuracy']:.3f}  "
-                 f"held-out {row['heldout_accuracy']:.3f}  format {row['train_format']:.3f}")
+                 f"held-out {row['heldout_accuracy']:.3f}  format {row['train_format']:.3f}"
+                 + (f" ({failures})" if failures else ""))
 
     def due(self, step: int) -> bool:
         last = self.rows[-1]["step"] if self.rows else -1

@@ -3,11 +3,13 @@ through, and greedy evaluations of the served policy by the same agent, straight
 
 Evaluation rows have the ``sums`` rows' names (``ops.local.demo_sums.learning_curves`` reads both):
 ``accuracy`` is the agent's reward (it called ``calc`` and then answered the right result),
-``format`` the share of episodes whose first reply was a well-formed ``calc`` call."""
+``format`` the share of well-formed episodes (a ``calc`` call the tool could run, then a
+number), ``failures`` how many episodes were not, by reason (``EpisodeOutcome.failure``)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import sys
@@ -33,14 +35,16 @@ class ToolsEvaluator:
         self.agent = CalculatorAgent(max_tokens=max_tokens, temperature=0.0, model=model)
         self.concurrency = concurrency
 
-    def evaluate(self, problems: Sequence[dict[str, Any]]) -> dict[str, float]:
-        """Mean ``accuracy`` and ``format`` over ``problems`` (``calc_records``)."""
+    def evaluate(self, problems: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Mean ``accuracy`` and ``format`` over ``problems`` (``calc_records``), and the
+        count of each ``failure``."""
         # A thread of its own: the demo's follower may run inside the CLI's event loop.
         with concurrent.futures.ThreadPoolExecutor(1) as thread:
             outcomes = thread.submit(asyncio.run, self._episodes(problems)).result()
         return {"accuracy": sum(o.correct for o in outcomes) / len(outcomes),
-                "format": sum(o.called and o.answer is not None
-                              for o in outcomes) / len(outcomes)}
+                "format": sum(o.failure is None for o in outcomes) / len(outcomes),
+                "failures": dict(collections.Counter(o.failure for o in outcomes
+                                                     if o.failure is not None))}
 
     async def _episodes(self, problems: Sequence[dict[str, Any]]) -> list[EpisodeOutcome]:
         slots = asyncio.Semaphore(self.concurrency)

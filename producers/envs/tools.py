@@ -92,11 +92,13 @@ def final_answer(content: str | None) -> int | None:
 class EpisodeOutcome:
     """What one episode did: ``called`` (the first reply called ``calc`` with an
     expression), ``answer`` (the final reply as a number, None when it is not one),
-    ``correct`` (called and the answer is the record's)."""
+    ``correct`` (called and the answer is the record's), ``failure`` (why the episode is not
+    well formed: ``no call``, ``tool error``, ``called again``, ``no number``; None when it is)."""
 
     called: bool = False
     answer: int | None = None
     correct: bool = False
+    failure: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -131,6 +133,7 @@ class CalculatorAgent:
         calls = reply.tool_calls or []
         messages.append(reply.model_dump(exclude_none=True))
         if not calls:
+            outcome.failure = "no call"
             return outcome
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call.id,
@@ -140,9 +143,12 @@ class CalculatorAgent:
         reply = await self._ask(client, messages)
         messages.append(reply.model_dump(exclude_none=True))
         if reply.tool_calls:
+            outcome.failure = "called again"
             return outcome
         outcome.answer = final_answer(reply.content)
         outcome.correct = outcome.called and outcome.answer == int(data["answer"])
+        if not outcome.called or outcome.answer is None:
+            outcome.failure = "tool error" if not outcome.called else "no number"
         return outcome
 
     async def _ask(self, client: openai.AsyncOpenAI,

@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx
+import openai
 import pytest
 
 from rollq.producers.envs.registry import make_env
 from rollq.producers.envs.tools import (
     TOOLS_CHAT_TEMPLATE,
+    CalculatorAgent,
     calc_records,
     calculate,
     final_answer,
@@ -21,6 +24,7 @@ from rollq.producers.inference import SamplingParams
 from rollq.schemas import ConfigError
 from tests.agents.fake_agent_vllm import AgentFakeVLLM
 from tests.agents.helpers import pool_of
+from tests.producers.fake_vllm import fake_transport
 
 SAMPLING = SamplingParams(max_tokens=128)
 RECORD = calc_records("train")[0]  # What is 0 + 0?
@@ -77,17 +81,18 @@ async def episodes(replies: list[str], group_size: int = 1) -> Any:
                                  policy_version=zero)
 
 
-@pytest.mark.parametrize(("replies", "reward", "calls"), [
-    ([call_text(RECORD["expression"]), "0"], 1.0, 2),  # called, then right
-    ([call_text("0 + 0"), "5"], 0.0, 2),  # wrong answer
-    (["0"], 0.0, 1),  # answered without the tool
+@pytest.mark.parametrize(("replies", "reward", "calls", "failure"), [
+    ([call_text(RECORD["expression"]), "0"], 1.0, 2, None),  # called, then right
+    ([call_text("0 + 0"), "5"], 0.0, 2, None),  # well formed, the wrong answer
+    (["0"], 0.0, 1, "no call"),  # answered without the tool
     # another tool: no calc call (this parser drops calls to tools the request did not offer)
-    ([call_text("0 + 0", name="search"), "0"], 0.0, 1),
-    ([call_text("0 +"), "0"], 0.0, 2),  # an expression the tool refuses
-    ([call_text("0 + 0"), call_text("0 + 0")], 0.0, 2),  # a second call instead of an answer
+    ([call_text("0 + 0", name="search"), "0"], 0.0, 1, "no call"),
+    ([call_text("0 +"), "0"], 0.0, 2, "tool error"),  # an expression the tool refuses
+    ([call_text("0 + 0"), call_text("0 + 0")], 0.0, 2, "called again"),
+    ([call_text("0 + 0"), "The answer is 0"], 0.0, 2, "no number"),
 ])
 async def test_the_reward_is_a_calc_call_then_the_right_number(
-        replies: list[str], reward: float, calls: int) -> None:
+        replies: list[str], reward: float, calls: int, failure: str | None) -> None:
     rollout = await episodes(replies)
     (completion,) = rollout.completions
     assert completion.info["env_score"] == reward
@@ -95,6 +100,14 @@ async def test_the_reward_is_a_calc_call_then_the_right_number(
     if calls == 2:  # one sequence: the call, the tool's turn masked, the answer
         assert completion.info["sequences"] == 1
         assert 0 in completion.loss_mask.tolist()
+    # The same agent straight to the server (the demo's greedy evaluation): why it failed.
+    fake = AgentFakeVLLM()
+    fake.script = lambda prompt, number: replies[number % len(replies)]
+    async with (httpx.AsyncClient(transport=fake_transport(fake)) as http,
+                openai.AsyncOpenAI(base_url=f"{fake.base_url}/v1", api_key="none",
+                                   http_client=http) as client):
+        outcome = await CalculatorAgent().episode(client, RECORD)
+    assert (outcome.correct, outcome.failure) == (reward == 1.0, failure)
 
 
 async def test_episodes_through_a_rollq_gateway_build_no_ssl_context_each(
@@ -186,3 +199,20 @@ def test_a_demo_warm_up_goes_to_either_trainer() -> None:
     for ranks in (1, 2):  # the tools recipe warms up over 10 steps
         warmed = argv(trainer_ranks=ranks)
         assert warmed[warmed.index("--warmup-steps") + 1] == "10"
+
+
+def test_the_demo_evaluation_names_why_episodes_were_out_of_format(tmp_path: Path) -> None:
+    from rollq.ops.local.demo_sums import SumsEvaluation
+
+    class Evaluator:
+        def evaluate(self, problems: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"accuracy": 0.5, "format": 0.75, "failures": {"no call": 2, "no number": 1}}
+
+    said: list[str] = []
+    evaluation = SumsEvaluation(Evaluator(), {"train": [], "heldout": []}, 10,
+                                tmp_path / "evals.jsonl", said.append)
+    evaluation.run(20)
+    assert said == ["eval at step   20: train accuracy 0.500  held-out 0.500  format 0.750 "
+                    "(no call 2, no number 1)"]
+    (row,) = [json.loads(line) for line in (tmp_path / "evals.jsonl").read_text().splitlines()]
+    assert row["heldout_failures"] == {"no call": 2, "no number": 1}

@@ -6,8 +6,8 @@ random answers (its answers must sit at chance, 1/10), then the whole loop train
 steps: vLLM with the hermes tool parser, ``rollq gateway``, the unmodified ``openai``-package
 calculator agent in ``rollq workers``, ``rollq score``, the example trainer. The greedy
 accuracy on the 122 training questions must end at least ``MARGIN`` above chance, with the
-call format kept. The demo starts its own vLLM: the tools model has its own tokenizer
-(and vocabulary), so the session's servers cannot load it.
+call format kept (``FORMAT_FLOOR``). The demo starts its own vLLM: the tools model has its
+own tokenizer (and vocabulary), so the session's servers cannot load it.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ steps (4.7 s a step beside the session's idle vLLM servers, which busy-poll); th
 takes off between steps 75 and 150, the greedy accuracy sitting at 0.19 (the policy
 answering 0 to everything) before it. About 15 minutes here."""
 
+FORMAT_FLOOR = 0.7
+"""The greedy format (a ``calc`` call, then a number) at every evaluation. It dips while the
+copy takes off (some first replies answer without calling) and recovers within ~40 steps:
+measured 0.820 at step 100 of a quiet seed-0 run (1.0 again at 140), and 0.836 at step
+180 of a CI run whose takeoff came late (accuracy 0.81). A policy abandoning the tool falls
+towards 0 (the flipped control: 0.0 by step 125)."""
+
 
 def test_tool_use_rises_from_chance_through_the_gateway(
         redis_server: RedisServer, tmp_path: Path) -> None:
@@ -48,5 +55,5 @@ def test_tool_use_rises_from_chance_through_the_gateway(
     assert len(result.steps) == STEPS
     assert curves["train_accuracy_first"] < CHANCE + 0.1, curves["evals"]
     assert curves["train_accuracy_final"] >= CHANCE + MARGIN, curves["evals"]
-    assert min(curves["evals"]["train_format"]) >= 0.9, curves["evals"]
+    assert min(curves["evals"]["train_format"]) >= FORMAT_FLOOR, result.evals
     assert result.plot is not None and result.plot.stat().st_size > 0
