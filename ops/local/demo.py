@@ -181,9 +181,13 @@ class Processes:
 
 
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The trainer's complete rows: a read may catch it mid-line (a write crossing a page
+    boundary shows its first part), so what follows the last newline waits for later."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    complete = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def _lag(client: redis.Redis, run: str) -> tuple[int, int]:
