@@ -125,15 +125,15 @@ def test_help_lists_the_atropos_env_kind_and_metrics_port_only_on_long_running_r
 def test_the_demo_reads_only_the_trainers_complete_metric_rows(tmp_path: Path) -> None:
     """The follower reads metrics.jsonl while the trainer appends to it: a row caught half
     written (a CI run's demo stopped on one) waits for its newline."""
-    from rollq.ops.local.demo import _read_metrics
+    from rollq.ops.local.demo import read_metrics
 
     path = tmp_path / "metrics.jsonl"
-    assert _read_metrics(path) == []
+    assert read_metrics(path) == []
     row = json.dumps({"step": 1, "reward_mean": 0.5})
     path.write_text(row + "\n" + row[:20])
-    assert _read_metrics(path) == [{"step": 1, "reward_mean": 0.5}]
+    assert read_metrics(path) == [{"step": 1, "reward_mean": 0.5}]
     path.write_text(row + "\n" + row + "\n")
-    assert len(_read_metrics(path)) == 2
+    assert len(read_metrics(path)) == 2
 
 
 def test_the_demo_finds_the_vllm_python_that_setup_makes(tmp_path: Path) -> None:

@@ -180,7 +180,7 @@ class Processes:
                 process.wait(timeout=5)
 
 
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The trainer's complete rows: a read may catch it mid-line (a write crossing a page
     boundary shows its first part), so what follows the last newline waits for later."""
     if not path.exists():
@@ -275,7 +275,7 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             if evaluation is not None:
                 evaluation.final(_policy_version(client, options.run))
                 evals = evaluation.rows
-        steps = _read_metrics(metrics)
+        steps = read_metrics(metrics)
         drops = _drops(client, options.run)
         client.close()
     finally:
@@ -417,7 +417,7 @@ def _follow(options: DemoOptions, processes: Processes, trainer: subprocess.Pope
     first_reward: float | None = None
     while True:
         processes.check()
-        steps = _read_metrics(metrics)
+        steps = read_metrics(metrics)
         for row in steps[shown:]:
             first_reward = row["reward_mean"] if first_reward is None else first_reward
             traj_lag, scored_lag = _lag(client, options.run)

@@ -8,12 +8,12 @@ too.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -21,7 +21,14 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
-from rollq.ops.local.demo import DemoOptions, Processes, run_demo, start_roles, trainer_argv
+from rollq.ops.local.demo import (
+    DemoOptions,
+    Processes,
+    read_metrics,
+    run_demo,
+    start_roles,
+    trainer_argv,
+)
 from rollq.ops.local.stack import VllmProcess
 from rollq.producers.publisher import Publisher
 from rollq.schemas import decode_trajectory
@@ -59,8 +66,8 @@ def test_reward_rises_and_the_flipped_control_does_not(
     assert last_c < first_c + 0.02, f"flipped advantages still improved: {first_c} -> {last_c}"
 
 
-def _metrics(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def _metrics(path: Path) -> list[dict[str, Any]]:
+    return read_metrics(path)  # the trainer may be mid-row: complete rows only
 
 
 def test_killed_trainer_resumes_and_trains_every_group_exactly_once(
@@ -124,8 +131,11 @@ async def test_weight_reload_changes_outputs_and_stamped_version(
                 assert await client.publish_policy(7, tmp_path / "perturbed") == 7
                 after = (await http.post("/v1/completions", json=prompt)).json()["choices"][0]
                 assert after["token_ids"] != before["token_ids"]
-                assert not np.allclose([e for e in after["logprobs"]["token_logprobs"]],
-                                       [e for e in before["logprobs"]["token_logprobs"]])
+                # What the server served before is whatever the last test left (a trained
+                # policy may stop early): the logprobs differ in length or in value.
+                after_lp = after["logprobs"]["token_logprobs"]
+                before_lp = before["logprobs"]["token_logprobs"]
+                assert len(after_lp) != len(before_lp) or not np.allclose(after_lp, before_lp)
                 from rollq.producers.envs.registry import make_env
                 from rollq.producers.inference import SamplingParams
                 from rollq.producers.worker import (
