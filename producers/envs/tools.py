@@ -147,8 +147,10 @@ class CalculatorAgent:
             return outcome
         outcome.answer = final_answer(reply.content)
         outcome.correct = outcome.called and outcome.answer == int(data["answer"])
-        if not outcome.called or outcome.answer is None:
-            outcome.failure = "tool error" if not outcome.called else "no number"
+        if not outcome.called:
+            outcome.failure = "tool error"
+        elif outcome.answer is None:
+            outcome.failure = "no number"
         return outcome
 
     async def _ask(self, client: openai.AsyncOpenAI,

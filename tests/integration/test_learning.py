@@ -13,7 +13,6 @@ import signal
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -66,10 +65,6 @@ def test_reward_rises_and_the_flipped_control_does_not(
     assert last_c < first_c + 0.02, f"flipped advantages still improved: {first_c} -> {last_c}"
 
 
-def _metrics(path: Path) -> list[dict[str, Any]]:
-    return read_metrics(path)  # the trainer may be mid-row: complete rows only
-
-
 def test_killed_trainer_resumes_and_trains_every_group_exactly_once(
     vllm_server: VllmProcess, redis_server: RedisServer, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -86,7 +81,7 @@ def test_killed_trainer_resumes_and_trains_every_group_exactly_once(
         start_roles(processes, opts, vllm_server.url, env)
         trainer = processes.start("trainer", argv, env)
         deadline = time.monotonic() + 300
-        while len(_metrics(first_metrics)) < 5:  # killed after step 5: checkpoint is step 3
+        while len(read_metrics(first_metrics)) < 5:  # killed after step 5: checkpoint is step 3
             processes.check()
             assert time.monotonic() < deadline, "the trainer made no progress"
             time.sleep(0.2)
@@ -98,14 +93,15 @@ def test_killed_trainer_resumes_and_trains_every_group_exactly_once(
         assert resumed.wait(timeout=300) == 0, (logs / "trainer-resumed.log").read_text()[-2000:]
     finally:
         processes.stop()
-    before = [row for row in _metrics(first_metrics) if row["step"] <= 3]  # in the checkpoint
-    after = _metrics(second_metrics)
+    before = [row for row in read_metrics(first_metrics) if row["step"] <= 3]  # in the checkpoint
+    after = read_metrics(second_metrics)
     assert [row["step"] for row in after] == list(range(4, 11))
-    trained = [gid for row in before + after for gid in row["group_ids"]]  # type: ignore[union-attr]
+    trained = [gid for row in before + after for gid in row["group_ids"]]
     counts = Counter(trained)
     assert len(trained) == 10 * opts.batch_groups
     assert max(counts.values()) == 1, "a group was trained twice into the final weights"
-    lost = {gid for row in _metrics(first_metrics) if row["step"] > 3 for gid in row["group_ids"]}  # type: ignore[union-attr]
+    lost = {gid for row in read_metrics(first_metrics) if row["step"] > 3
+            for gid in row["group_ids"]}
     assert lost and lost <= set(trained), "groups acked after the checkpoint were not replayed"
 
 
