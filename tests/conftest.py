@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from rollq.ops.local.cluster import LocalCluster
+from tests.budget import Budget
 from tests.redis_server import RedisServer
 from tests.redis_tls import TlsRedis
 
@@ -132,6 +133,7 @@ def _tier(item: pytest.Item) -> str | None:
 
 _VLLM_TESTS: set[str] = set()
 _VLLM_OUTCOMES: dict[str, int] = {}
+_BUDGET = Budget()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -141,9 +143,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             _TIER_OF[item.nodeid] = tier
         if item.get_closest_marker("vllm") is not None:
             _VLLM_TESTS.add(item.nodeid)
+        _BUDGET.collected(item, tier)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _BUDGET.reported(report)
     # a test's outcome: its call, or the setup that kept it from running
     if not (report.when == "call" or report.outcome != "passed"):
         return
@@ -165,3 +169,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(_VLLM_OUTCOMES.items()))
     terminalreporter.write_line("vllm tier (a real CPU vLLM server this test session "
                                 f"started): {counts or 'no tests ran'}")
+    for line in _BUDGET.lines():
+        terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A test over its time ceiling fails the run (``tests/budget.py``)."""
+    if _BUDGET.over_ceiling() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
