@@ -52,6 +52,8 @@ _BOOTSTRAP = "exec(compile(open('main.py','rb').read(),'main.py','exec'))"
 # -c rather than a script path: Python would make the path absolute, and the directory's
 # absolute path is hidden inside the sandbox.
 _STOP_GRACE_S = 2.0
+START_S = 10.0
+"""Seconds the launcher may take to set the sandbox up and report ``ready``."""
 _REAP_DEADLINE_S = 5.0
 _STDERR_KEPT = 4096
 
@@ -60,8 +62,10 @@ _STDERR_KEPT = 4096
 class SandboxLimits:
     """What one run may use.
 
-    - `wall_s`: wall-clock seconds from the start of the launcher (set-up, ~20–50 ms,
-      included) until the run is killed.
+    - `wall_s`: wall-clock seconds from the candidate's start (the launcher's ``ready``)
+      until the run is killed. The launcher's set-up (~20–50 ms on a quiet machine, over a
+      second on a loaded one) is not the candidate's time: it has its own ceiling,
+      ``START_S``, past which the run is a ``sandbox_error`` (an infrastructure failure).
     - `cpu_s`: CPU seconds per process (RLIMIT_CPU, soft = hard: SIGKILL at the limit).
     - `memory_bytes`: address space per process (RLIMIT_AS).
     - `processes`: processes and threads of the sandbox uid, the candidate included
@@ -215,7 +219,7 @@ class Sandbox:
         finished = False
         try:
             watched = _watch(process, status_read, limits.output_bytes,
-                             started + limits.wall_s)
+                             started + START_S, limits.wall_s)
             if not watched.killed:
                 process.wait(_STOP_GRACE_S)  # it exits right after writing the status
                 finished = True
@@ -228,7 +232,7 @@ class Sandbox:
             for pipe in (process.stdout, process.stderr):
                 if pipe is not None:
                     pipe.close()
-        return _verdict(watched, time.monotonic() - started, limits.wall_s)
+        return _verdict(watched, time.monotonic() - started)
 
 
 @dataclass
@@ -245,14 +249,16 @@ class _Watched:
 
 
 def _watch(process: subprocess.Popen[bytes], status_fd: int, cap: int,
-           deadline: float) -> _Watched:
+           start_deadline: float, wall_s: float) -> _Watched:
     """Read stdout, stderr and the status pipe until all close, the deadline passes or the
-    output passes `cap` bytes."""
+    output passes `cap` bytes. The deadline is `start_deadline` until the launcher reports
+    ``ready``, then `wall_s` from that moment."""
     assert process.stdout is not None and process.stderr is not None
     watched = _Watched(bytearray(), bytearray(), bytearray())
     buffers = {process.stdout.fileno(): watched.stdout, process.stderr.fileno(): watched.stderr}
     buffers[status_fd] = watched.status
     total = 0
+    deadline, ready = start_deadline, False
     with selectors.DefaultSelector() as selector:
         for descriptor in buffers:
             selector.register(descriptor, selectors.EVENT_READ)
@@ -274,6 +280,8 @@ def _watch(process: subprocess.Popen[bytes], status_fd: int, cap: int,
                         watched.output_exceeded = True
                         return watched
                 buffer += data
+                if not ready and b"ready\n" in watched.status:
+                    deadline, ready = time.monotonic() + wall_s, True
     return watched
 
 
@@ -289,13 +297,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def _verdict(watched: _Watched, seconds: float, wall_s: float) -> SandboxResult:
+def _verdict(watched: _Watched, seconds: float) -> SandboxResult:
     lines = watched.status.decode("utf-8", "replace").splitlines()
     errors = [line.removeprefix("error ") for line in lines if line.startswith("error ")]
     if errors:
         raise ScoringError("sandbox_error", f"the sandbox failed: {errors[0]}")
     if "ready" not in lines:
-        what = f"did not start within {wall_s} s" if watched.timed_out else "died while starting"
+        what = f"did not start within {START_S} s" if watched.timed_out else "died while starting"
         raise ScoringError("sandbox_error", f"the sandbox {what}")
     stderr = bytes(watched.stderr[:_STDERR_KEPT])
     if watched.killed:
