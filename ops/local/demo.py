@@ -105,8 +105,13 @@ class DemoOptions:
     """Above 1: ``examples/torchrun_trainer.py`` as this many torchrun ranks (DDP, gloo on
     the CPU) instead of ``examples/grpo_trainer.py``."""
     eval_every: int = 25
-    """``sums``: evaluate train and held-out accuracy every this many trainer steps."""
+    """``sums``, ``tools``: evaluate train and held-out accuracy greedily every this many
+    trainer steps (and at step 0 and the end); 0: never (the sampled batches' accuracy is
+    still in every step's metrics)."""
     warm_start_steps: int = 300
+    warm_start_right_fraction: float = 0.0
+    """``sums``, ``tools``: the fraction of warm-start examples that answer right
+    (``WarmStartOptions.right_fraction``; 0: the answers start at chance)."""
     seed: int = 0
     weight_sync: WeightSyncMethod = "reload"
     """How the trainer moves weights into vLLM (the demo's own server serves rollq_tcp)."""
@@ -311,7 +316,10 @@ def _plotted(task: Task) -> dict[str, Any]:
 def _evaluation(options: DemoOptions, inference: str, out: Path,
                 say: Callable[[str], None]) -> contextlib.AbstractContextManager[
                     SumsEvaluation | None]:
-    """The task's greedy evaluations during the run (None for ``digits``)."""
+    """The task's greedy evaluations during the run (None for ``digits``, or when
+    ``eval_every`` is 0)."""
+    if options.eval_every == 0:
+        return contextlib.nullcontext(None)
     if options.task == "tools":
         return tools_evaluation(inference, served_model(inference), out, say,
                                 every=options.eval_every, max_tokens=options.max_tokens)
@@ -341,7 +349,8 @@ def _write_model(options: DemoOptions, out: Path,
     warmed = out / f"{options.task}-model"
     warm_options = dataclasses.replace(
         TOOLS_WARM_START if options.task == "tools" else WarmStartOptions(),
-        steps=options.warm_start_steps, seed=options.seed)
+        steps=options.warm_start_steps, seed=options.seed,
+        right_fraction=options.warm_start_right_fraction)
     load, train, show = ((load_report, warm_start, report_line) if options.task == "sums" else
                          (load_tools_report, warm_start_tools, describe_tools))
     report = load(warmed, warm_options)

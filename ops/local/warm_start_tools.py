@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -145,8 +146,11 @@ def warm_start_tools(model_dir: Path, out: Path, options: WarmStartOptions | Non
     turns = ToolTurns(Encoder(model_dir, TOOLS_CHAT_TEMPLATE))
     train, heldout = calc_records("train", source), calc_records("heldout", source)
 
-    model, format_loss = fit(model_dir, options, lambda rng: turns.episode(
-        rng.choice(train), rng.choice(ANSWERS)))
+    def draw(rng: random.Random) -> Example:
+        record = rng.choice(train)
+        return turns.episode(record, options.answer(rng, int(record["answer"]), ANSWERS))
+
+    model, format_loss = fit(model_dir, options, draw)
     report = ToolsWarmStartReport(
         options=asdict(options), seconds=round(time.monotonic() - started, 1),
         format_loss=format_loss,
