@@ -105,8 +105,8 @@ async def _partitions(redis: aioredis.Redis, run: str, default: int) -> int:
     return int(raw)
 
 
-async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bool = False,
-                     trim_every_s: float = 30.0) -> Stage:
+async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *,
+                     burst: bool = False) -> Stage:
     """Score the run's traj streams until ``stop`` (or, with ``burst``, until empty)."""
     config = load_reward_config(settings.reward_config, processes=settings.processes)
     redis = open_redis(settings)
@@ -135,7 +135,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *, burst: bo
                 deliveries = await reader.next_deliveries()
                 if deliveries:
                     await stage.process(deliveries)
-                if time.monotonic() - trimmed_at > trim_every_s:
+                if time.monotonic() - trimmed_at > settings.trim_every_s:
                     # Both streams of the run: nothing unacked is ever trimmed, so the
                     # scorers can keep the trainer's stream in bounds too.
                     trimmed_at = time.monotonic()

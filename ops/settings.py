@@ -177,6 +177,10 @@ class ScorerSettings(ReaderTuning):
     """Groups scored at once by one scorer process."""
     processes: int = Field(default=2, ge=1)
     """Worker processes for CPU-heavy reward components (math-verify)."""
+    trim_every_s: float = Field(default=30.0, gt=0)
+    """Seconds between the scorer's housekeeping rounds: trimming what every consumer group
+    acked (older than ``retention_s``), dead letters past ``dead_retention_s`` and idle
+    consumers."""
 
 
 class WorkerSettings(CommonSettings):

@@ -189,8 +189,8 @@ async def test_scorer_trims_acked_entries_of_both_streams(
     await real_redis.xgroup_create(scored_key, "trainer", id="0", mkstream=True)
     stop = asyncio.Event()
     settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, retention_s=0,
-                              block_ms=20)
-    task = asyncio.create_task(run_scorer(settings, stop, trim_every_s=0.05))
+                              block_ms=20, trim_every_s=0.05)
+    task = asyncio.create_task(run_scorer(settings, stop))
     await until(lambda: _scored_at_least(real_redis, 4), "all 4 groups scored")
     await asyncio.sleep(0.2)  # trim rounds run (every 0.05 s): nothing may go yet
     traj_key = stream_key(RUN, 0, "traj")
@@ -223,8 +223,9 @@ async def test_a_trim_redis_refuses_does_not_stop_the_scorer(
 
     monkeypatch.setattr("rollq.ops.roles.trim_streams", refusing)
     stop = asyncio.Event()
-    settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, block_ms=20)
-    task = asyncio.create_task(run_scorer(settings, stop, trim_every_s=0.05))
+    settings = ScorerSettings(redis_url=redis_server.url, run=RUN, processes=1, block_ms=20,
+                              trim_every_s=0.05)
+    task = asyncio.create_task(run_scorer(settings, stop))
     await until(lambda: len(refused) >= 3, "three refused trims")
     await publish(real_redis, 2)
     await until(lambda: _scored_at_least(real_redis, 2), "groups scored after the refusals")
