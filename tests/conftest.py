@@ -16,7 +16,9 @@ import redis.asyncio as aioredis
 import structlog
 
 from rollq.ops.local.cluster import LocalCluster
+from rollq.ops.local.stack import VllmProcess
 from tests.budget import Budget
+from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 from tests.redis_tls import TlsRedis
 
@@ -29,6 +31,35 @@ def _structlog_restored() -> Iterator[None]:
     saved = structlog.get_config()
     yield
     structlog.configure(**saved)
+
+
+TOOL_TEMPLATE = Path(__file__).parent / "agents" / "tool_template.jinja"
+"""The session server's chat template: tools and tool calls rendered (the agents' tests), and
+plain messages exactly as the tiny model's own template renders them."""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rollq.ops.local.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "rollq-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmProcess]:
+    """The session's CPU vLLM server with the tiny model, for every vLLM-tier test that can
+    share it (one start, ~40-90 s): rollq_tcp weight transfer (the transfer tests sync into
+    it; reload works beside it) and tool calling (the agents' tests)."""
+    python = vllm_python()
+    cache = Path(python).resolve().parent.parent / "inductor-cache"
+    server = VllmProcess(python, tiny_model, tmp_path_factory.mktemp("vllm") / "server.log",
+                         max_model_len=1024, compile_cache=cache, weight_transfer="rollq_tcp",
+                         extra_args=["--enable-auto-tool-choice", "--tool-call-parser",
+                                     "hermes", "--chat-template", str(TOOL_TEMPLATE)]).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

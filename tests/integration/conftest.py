@@ -1,36 +1,8 @@
-"""The integration tier: a real CPU vLLM server with the tiny local model.
+"""The integration tier: real CPU vLLM servers.
 
-The server starts once per test session when ``ROLLQ_TEST_VLLM_PYTHON`` names the
-interpreter of a virtual environment with vLLM (``.ci/test`` sets it up). Without it the
-tier is skipped, unless ``ROLLQ_REQUIRE_VLLM=1`` (CI), where a missing vLLM fails the run.
+The session's server with the tiny model (``vllm_server``, ``tiny_model``) is defined in
+``tests/conftest.py``, shared with ``tests/agents``. It starts once per test session when
+``ROLLQ_TEST_VLLM_PYTHON`` names the interpreter of a virtual environment with vLLM
+(``.ci/test`` sets it up). Without it the tier is skipped, unless ``ROLLQ_REQUIRE_VLLM=1``
+(CI), where a missing vLLM fails the run.
 """
-
-from __future__ import annotations
-
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-from rollq.ops.local.stack import VllmProcess
-from tests.integration.interpreters import vllm_python
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rollq.ops.local.tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "rollq-tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def vllm_server(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmProcess]:
-    python = vllm_python()
-    cache = Path(python).resolve().parent.parent / "inductor-cache"
-    # rollq_tcp: the weight-transfer tests sync into it; reload works beside it
-    server = VllmProcess(python, tiny_model, tmp_path_factory.mktemp("vllm") / "server.log",
-                         compile_cache=cache, weight_transfer="rollq_tcp").start()
-    yield server
-    server.stop()

@@ -1,13 +1,19 @@
-"""A tool-use task learned through ``rollq gateway``: the short CI version of
-``rollq demo --task tools`` (docs/guides/demo-tools.md).
+"""A tool-use task learned through ``rollq gateway``: the CI proof. The full curve from
+chance is ``rollq demo --task tools`` (docs/guides/demo-tools.md, its rows in
+docs/benchmarks.md: 0.09 to 0.96-1.0 in 150-180 steps); it is too long for the suite (the
+copy of the tool's result takes off anywhere between steps 75 and 175).
 
-The tiny model (its tokenizer knowing tool calls) is warm-started on the call format with
-random answers (its answers must sit at chance, 1/10), then the whole loop trains ``STEPS``
+Here the tiny model (its tokenizer knowing tool calls) is warm-started on the call format with
+``RIGHT_FRACTION`` of its final answers copying the tool's result and the rest random, so its
+teacher-forced probability of the right answer after the tool starts at ~0.35 (measured
+exactly by the warm start) and every step has a signal. Then the whole loop trains ``STEPS``
 steps: vLLM with the hermes tool parser, ``rollq gateway``, the unmodified ``openai``-package
-calculator agent in ``rollq workers``, ``rollq score``, the example trainer. The greedy
-accuracy on the 122 training questions must end at least ``MARGIN`` above chance, with the
-call format kept (``FORMAT_FLOOR``). The demo starts its own vLLM: the tools model has its
-own tokenizer (and vocabulary), so the session's servers cannot load it.
+calculator agent in ``rollq workers``, ``rollq score``, the example trainer. The accuracy of
+the sampled episodes (a ``calc`` call, then the tool's result as the answer) over the last 10
+steps must exceed that start by ``MARGIN``. What it proves is what the long run proves: the
+episode's trained sequence holds the model's call, the tool's result (masked) and the answer
+exactly as the model saw them, or the copy's signal is lost. The demo starts its own vLLM: the
+tools model has its own tokenizer (and vocabulary), so the session's servers cannot load it.
 """
 
 from __future__ import annotations
@@ -18,43 +24,35 @@ import pytest
 
 from rollq.ops.local.demo import DemoOptions, run_demo
 from rollq.ops.local.demo_sums import learning_curves
-from rollq.producers.envs.tools import CHANCE
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 240
+STEPS = 30
+RIGHT_FRACTION = 0.3
 MARGIN = 0.2
-"""Greedy training-question accuracy after STEPS must reach CHANCE + MARGIN (0.30), above
-the 0.19 of the policy answering 0 to everything, where every run sits before the copy of
-the tool's result takes off. The takeoff comes between steps 75 and 175: measured (2 CPU
-cores, the demo's recipe) 0.96 and 0.74 at step 150, 1.0 and 0.99 at step 180 in four quiet
-demo runs (docs/guides/demo-tools.md); in CI runs of this test, beside other jobs, 0.57 at
-step 150, 0.81 and 0.295 at step 180 (that one 0.19 at step 120: it took off at ~170). So
-the test runs 60 steps past the demo's default 180. About 18 minutes here."""
-
-FORMAT_FLOOR = 0.7
-"""The greedy format (a ``calc`` call, then a number) at every evaluation. It dips while the
-copy takes off (some first replies answer without calling) and recovers within ~40 steps:
-measured 0.820 at step 100 of a quiet seed-0 run (1.0 again at 140), and 0.836 at step
-180 of a CI run whose takeoff came late (accuracy 0.81). A policy abandoning the tool falls
-towards 0 (the flipped control: 0.0 by step 125)."""
+"""The sampled accuracy of the last 10 of ``STEPS`` steps must reach the warm start's
+probability of the right answer plus MARGIN. Measured (2 CPU cores; first figure the warm
+start's probability, then the last-10 mean at step 30 and at step 40): 0.345 -> 0.742 (step
+30), 0.858 (step 40), beside three other helpers' jobs (load 7-9)."""
 
 
-def test_tool_use_rises_from_chance_through_the_gateway(
-        redis_server: RedisServer, tmp_path: Path) -> None:
+def test_tool_use_rises_through_the_gateway(redis_server: RedisServer, tmp_path: Path) -> None:
     options = DemoOptions.for_task("tools", out=tmp_path / "tools", run="tools",
                                    redis_url=redis_server.url, vllm_python=vllm_python(),
-                                   steps=STEPS, eval_every=60)
+                                   steps=STEPS, eval_every=0,
+                                   warm_start_right_fraction=RIGHT_FRACTION)
     result = run_demo(options, say=lambda _: None)
     warm = result.warm_start
-    assert warm is not None  # what the warm start must not teach: the answer
-    assert warm["train_answer_probability"] == pytest.approx(CHANCE, abs=0.02)
-    assert warm["heldout_answer_probability"] == pytest.approx(CHANCE, abs=0.02)
+    assert warm is not None  # what the warm start taught: above chance, far from the answer
+    start = warm["train_answer_probability"]
+    assert 0.25 < start < 0.45, warm
+    assert warm["call_probability"] > 0.8, warm  # the call format, learned
     curves = learning_curves(result.steps, result.evals)
+    accuracy = curves["steps"]["batch_accuracy"]
     assert len(result.steps) == STEPS
-    assert curves["train_accuracy_first"] < CHANCE + 0.1, curves["evals"]
-    assert curves["train_accuracy_final"] >= CHANCE + MARGIN, curves["evals"]
-    assert min(curves["evals"]["train_format"]) >= FORMAT_FLOOR, result.evals
+    last = sum(accuracy[-10:]) / 10
+    assert last >= start + MARGIN, f"{start:.3f} -> {last:.3f}: {accuracy}"
+    assert max(step["staleness"] for step in result.steps) <= 1
     assert result.plot is not None and result.plot.stat().st_size > 0
