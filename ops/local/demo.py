@@ -101,6 +101,7 @@ class DemoOptions:
     warmup_steps: int = 0
     """Linear learning-rate warm-up of the trainer over this many steps (0: none)."""
     torch_threads: int | None = None
+    """torch's threads in the trainer and the warm start (None: torch's default)."""
     trainer_ranks: int = 1
     """Above 1: ``examples/torchrun_trainer.py`` as this many torchrun ranks (DDP, gloo on
     the CPU) instead of ``examples/grpo_trainer.py``."""
@@ -358,7 +359,7 @@ def _write_model(options: DemoOptions, out: Path,
         write_tiny_model(tiny, seed=0, tools=options.task == "tools")
         say(f"model: wrote the tiny Qwen2 model; warm-starting it on the {options.task} "
             f"format with random answers ({options.warm_start_steps} steps)...")
-        report = train(tiny, warmed, warm_options)
+        report = train(tiny, warmed, warm_options, threads=options.torch_threads)
     say(show(report))  # type: ignore[arg-type]  # each loader goes with its describer
     return warmed, asdict(report)
 

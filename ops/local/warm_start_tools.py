@@ -138,7 +138,8 @@ def answer_probability(model: Any, turns: ToolTurns, records: Sequence[dict[str,
 
 
 def warm_start_tools(model_dir: Path, out: Path, options: WarmStartOptions | None = None, *,
-                     source: str | Path | None = None) -> ToolsWarmStartReport:
+                     source: str | Path | None = None,
+                     threads: int | None = None) -> ToolsWarmStartReport:
     """Fine-tune the model in ``model_dir`` on the call format with random answers; write it
     (tokenizer with ``TOOLS_CHAT_TEMPLATE``) and ``warm_start.json`` into ``out``."""
     options = options or TOOLS_WARM_START
@@ -150,7 +151,7 @@ def warm_start_tools(model_dir: Path, out: Path, options: WarmStartOptions | Non
         record = rng.choice(train)
         return turns.episode(record, options.answer(rng, int(record["answer"]), ANSWERS))
 
-    model, format_loss = fit(model_dir, options, draw)
+    model, format_loss = fit(model_dir, options, draw, threads=threads)
     report = ToolsWarmStartReport(
         options=asdict(options), seconds=round(time.monotonic() - started, 1),
         format_loss=format_loss,

@@ -42,7 +42,8 @@ probability, then the last-10 mean at step 30 and at step 40): 0.176 -> 0.500 (s
 @pytest.fixture(scope="module")
 def warm_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sums") / "sums-model"
-    report = warm_start(tiny_model, out, WarmStartOptions(right_fraction=RIGHT_FRACTION))
+    report = warm_start(tiny_model, out, WarmStartOptions(right_fraction=RIGHT_FRACTION),
+                        threads=1)  # beside the session's vLLM server
     # What the warm start taught: the format, and the right sums above chance, far from all
     assert CHANCE + 0.05 < report.train_answer_probability < 0.4, report
     assert report.format_loss < 0.05
