@@ -309,6 +309,9 @@ async def _schema(url: str) -> dict[str, Any]:
             response = await client.get(http_url(url) + "/schema")
             response.raise_for_status()
             found = response.json()
+    except httpx.TransportError as exc:
+        raise EnvServerUnavailable(f"env server {url} unreachable (GET /schema): "
+                                   f"{type(exc).__name__}: {exc}") from exc
     except (httpx.HTTPError, ValueError) as exc:
         raise EnvServerUnavailable(f"env server {url}: GET /schema failed: {exc}") from exc
     if not isinstance(found, dict):

@@ -49,6 +49,8 @@ from urllib.parse import urlsplit, urlunsplit
 from rollq.schemas import RollqError, TransientError
 from rollq.schemas.failures import ENV_REWARD_MISSING, ENV_UNAVAILABLE
 
+CLOSE_WAIT_S = 2.0
+"""How long a closing session waits for the server to end it (then it closes itself)."""
 KEEPALIVE = {"jsonrpc": "2.0", "method": "rollq/keepalive", "params": {}, "id": "rollq"}
 """The JSON-RPC request ``kept_alive`` sends (module docstring)."""
 
@@ -163,16 +165,19 @@ class EnvSession:
                 await task
 
     async def close(self) -> None:
-        """End the session: a ``close`` message, then the WebSocket's close handshake (2 s at
-        most); best effort, and finished even when the caller is cancelled."""
+        """End the session: a ``close`` message, then the server closes the WebSocket once
+        it has destroyed the session (its env closed, its slot free), or the client does
+        after ``CLOSE_WAIT_S``; best effort, and finished even when the caller is
+        cancelled."""
         await asyncio.shield(self._close())
 
     async def _close(self) -> None:
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(CLOSE_WAIT_S):
                 await self._connection.send(json.dumps({"type": "close"}))
+                await self._connection.wait_closed()
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(2):
+            async with asyncio.timeout(CLOSE_WAIT_S):
                 await self._connection.close()
 
     async def _keep_alive(self, every_s: float) -> None:
