@@ -55,6 +55,10 @@ KEEPALIVE = {"jsonrpc": "2.0", "method": "rollq/keepalive", "params": {}, "id": 
 """The JSON-RPC request ``kept_alive`` sends (module docstring)."""
 
 
+_ANSWERS = {"reset": "observation", "step": "observation"}
+"""The answer's ``type`` to each message's (the same where not listed: ``mcp``)."""
+
+
 class EnvServerUnavailable(TransientError):
     """An env server could not be reached or dropped a session (module docstring)."""
 
@@ -122,6 +126,7 @@ class EnvSession:
         self._message_timeout_s = message_timeout_s
         self._keepalive_s = keepalive_s
         self._lock = asyncio.Lock()  # one message in flight: steps and keep-alives
+        self._broken: str | None = None  # an answer never came: the next would be out of step
 
     @classmethod
     async def open(cls, url: str, *, connect_timeout_s: float = 10.0,
@@ -193,6 +198,8 @@ class EnvSession:
 
         kind = message["type"]
         async with self._lock:
+            if self._broken is not None:
+                raise EnvServerUnavailable(self._broken)
             try:
                 await self._connection.send(json.dumps(message))
             except ConnectionClosed:
@@ -200,8 +207,9 @@ class EnvSession:
             try:
                 raw = await asyncio.wait_for(self._connection.recv(), self._message_timeout_s)
             except TimeoutError:
-                raise EnvServerUnavailable(f"env server {self.url} did not answer a {kind} "
-                                           f"within {self._message_timeout_s:g} s") from None
+                self._broken = (f"env server {self.url} did not answer a {kind} within "
+                                f"{self._message_timeout_s:g} s")
+                raise EnvServerUnavailable(self._broken) from None
             except ConnectionClosed as exc:
                 raise EnvServerUnavailable(f"env server {self.url} closed the session's "
                                            f"WebSocket during a {kind}: {exc}") from exc
@@ -212,7 +220,8 @@ class EnvSession:
                                  f"that is not JSON: {str(raw)[:200]!r}") from exc
         if isinstance(reply, dict) and reply.get("type") == "error":
             raise _error(reply.get("data") or {}, kind, self.url)
-        if not isinstance(reply, dict) or not isinstance(reply.get("data"), dict):
+        if (not isinstance(reply, dict) or not isinstance(reply.get("data"), dict)
+                or reply.get("type") != _ANSWERS.get(kind, kind)):
             raise EnvServerError(f"env server {self.url} answered a {kind} outside OpenEnv's "
                                  f"protocol: {str(raw)[:200]!r}")
         return reply

@@ -211,6 +211,25 @@ async def test_an_episode_without_a_reward_and_a_server_down_are_dead_lettered(
     await until(lambda: plain.capacity()["active_sessions"] == 0, "the sessions closed")
 
 
+async def test_a_running_servers_limit_is_learned_from_its_refusal(
+        plain: EnvServer, pool: tuple[InferencePool, FakeVLLM]) -> None:
+    """A server by URL (two sessions at most) and a group of 4: the refused sessions learn
+    the limit from OpenEnv's CAPACITY_REACHED, wait for free slots, and the worker says so
+    once; the group completes with the game's own rewards."""
+    client, fake = pool
+    env = make_env(f"openenv:{plain.url}")
+    assert isinstance(env, OpenEnvEnv) and env.slots.limit is None
+    with capture_logs() as logs:
+        played = await rollout(env, client, 3, group_size=4)
+    assert env.slots.limit == 2 and fake.max_in_flight <= 2
+    warned = [e for e in logs if e["event"] == "openenv_sessions_limited"]
+    assert len(warned) == 1 and warned[0]["max_concurrent_envs"] == 2
+    assert "create_app" in warned[0]["detail"]  # where a running server's limit is raised
+    assert len(played.completions) == 4
+    assert_played(played, 3)
+    await until(lambda: plain.capacity()["active_sessions"] == 0, "the sessions closed")
+
+
 async def test_a_reply_that_is_no_action_ends_the_episode_with_its_reward(
         plain: EnvServer, pool: tuple[InferencePool, FakeVLLM]) -> None:
     client, fake = pool
