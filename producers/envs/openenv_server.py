@@ -60,15 +60,17 @@ class LocalEnvServer:
     max_concurrent_envs: int | None = None
     start_timeout_s: float = 120.0
     ws_ping_s: float = 20.0
-    url: str | None = None
+    url: str | None = field(default=None, init=False)
     """``http://127.0.0.1:PORT`` once started."""
-    max_sessions: int | None = None
+    max_sessions: int | None = field(default=None, init=False)
     """The server's ``max_concurrent_envs``, as it reported it when it started."""
-    starts: int = 0
-    _process: asyncio.subprocess.Process | None = None
-    _stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES))
-    _drains: list[asyncio.Task[None]] = field(default_factory=list)
-    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    starts: int = field(default=0, init=False)
+    """How many times it was started (a restart after it died counts)."""
+    _process: asyncio.subprocess.Process | None = field(default=None, init=False)
+    _stderr: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_LINES),
+                                init=False)
+    _drains: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
 
     async def ensure_started(self) -> str:
         """The server's URL, starting it (again, when it died) first."""

@@ -230,6 +230,21 @@ async def test_a_running_servers_limit_is_learned_from_its_refusal(
     await until(lambda: plain.capacity()["active_sessions"] == 0, "the sessions closed")
 
 
+async def test_cancelled_episodes_close_their_sessions(plain: EnvServer) -> None:
+    """A job cancelled mid-episode (its timeout, or SIGTERM past the grace period: the
+    worker cancels the job either way) closes its sessions on the way out."""
+    fake = FakeVLLM(max_model_len=4096, latency_s=60.0)
+    env = make_env(f"openenv:{plain.url}")
+    async with InferencePool([fake.base_url], transport=fake_transport(fake)) as client:
+        job = asyncio.create_task(rollout(env, client, group_size=2))
+        await until(lambda: plain.capacity()["active_sessions"] == 2, "both episodes open")
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+    assert plain.capacity()["active_sessions"] == 0  # closed before the cancel returned
+    assert env.slots.held == 0  # type: ignore[attr-defined]
+
+
 async def test_a_reply_that_is_no_action_ends_the_episode_with_its_reward(
         plain: EnvServer, pool: tuple[InferencePool, FakeVLLM]) -> None:
     client, fake = pool
