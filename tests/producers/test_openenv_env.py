@@ -43,6 +43,7 @@ from tests.openenv_envs.servers import (
     start,
 )
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
+from tests.producers.fake_vllm_server import serve_fake
 from tests.producers.jobs import enqueue_positions
 from tests.redis_server import RedisServer
 from tests.waiting import until
@@ -51,6 +52,8 @@ pytest.importorskip("openenv", reason="the openenv extra is not installed")
 from tests.openenv_envs.guess_env.models import GuessAction
 from tests.openenv_envs.guess_env.server.guess_environment import GuessEnvironment
 
+pytestmark = pytest.mark.timeout(300)  # the module's two servers start in its first test:
+# openenv imports gradio, some 5 s alone and a minute on a loaded machine
 RUN = "openenv"
 _TURN = re.compile(r"assistant\n(\d+)<\|im_end\|>\n<\|im_start\|>user\nWrong: my number is "
                    r"(higher|lower)")
@@ -341,45 +344,31 @@ def _closed_port() -> int:
     return free_port()
 
 
-CHILD_WORKER = """
-import asyncio, sys
-from rollq.producers.envs import make_env
-from rollq.producers.inference import SamplingParams
-from rollq.producers.worker import build_worker
-from tests.producers.fake_vllm import FakeVLLM, fake_transport
-
-async def main():
-    fake = FakeVLLM(max_model_len=4096, latency_s=60.0)  # the episode waits on the model
-    worker = build_worker(
-        redis_url=sys.argv[1], run=sys.argv[2],
-        env_factory=lambda: make_env("openenv:" + sys.argv[3], size=2),
-        inference_urls=[fake.base_url], model=None, sampling=SamplingParams(max_tokens=8),
-        group_size=2, concurrency=1, job_timeout_s=4.0, max_tries=3, request_timeout_s=90,
-        timeout_margin_s=1.0, transport=fake_transport(fake))
-    await worker.main()
-
-asyncio.run(main())
-"""
-
-
 @pytest.mark.slow
 async def test_a_worker_killed_mid_episode_leaves_no_session_and_its_job_runs_again(
         plain: EnvServer, redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
-    """SIGKILL while both sessions of a group are open: the env server is back to 0 open
-    sessions within its session timeout (at once, in fact: the OS closes a dead process's
-    sockets), and the job, still in arq's queue, runs again on a second worker after the
-    job timeout and is published once, nothing dead-lettered."""
+    """``rollq workers --env openenv:URL`` killed with SIGKILL while both sessions of a
+    group are open: the env server is back to 0 open sessions within its session timeout
+    (at once, in fact: the OS closes a dead process's sockets), and the job, still in arq's
+    queue, runs again on a second worker after the job timeout and is published once,
+    nothing dead-lettered."""
     env = make_env(f"openenv:{plain.url}", size=2)
     await Publisher(real_redis, RUN).register()
     await enqueue_positions(redis_server.url, RUN, env.name, [1])
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CHILD_WORKER, redis_server.url, RUN, plain.url, cwd=REPO,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    try:
-        await until(lambda: plain.capacity()["active_sessions"] == 2, "the episodes to start")
-    finally:
-        child.kill()  # SIGKILL: no shutdown, no session closed by the worker
-        await child.wait()
+    slow = FakeVLLM(max_model_len=4096, latency_s=60.0)  # the episodes wait on the model
+    async with serve_fake(slow) as inference:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rollq", "workers", "--redis-url", redis_server.url,
+            "--run", RUN, "--env", f"openenv:{plain.url}", "--env-option", "size=2",
+            "--inference", inference, "--group-size", "2", "--concurrency", "1",
+            "--job-timeout-s", "4", cwd=REPO, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL)
+        try:
+            await until(lambda: plain.capacity()["active_sessions"] == 2,
+                        "the episodes to start")
+        finally:
+            child.kill()  # SIGKILL: no shutdown, no session closed by the worker
+            await child.wait()
     # within the server's session timeout (2 s) and a round of its reaper (5 s), with
     # room for a loaded machine
     await until(lambda: plain.capacity()["active_sessions"] == 0, "the sessions to close",
@@ -391,7 +380,7 @@ async def test_a_worker_killed_mid_episode_leaves_no_session_and_its_job_runs_ag
         inference_urls=[fake.base_url], model=None, sampling=SamplingParams(max_tokens=8),
         group_size=2, concurrency=1, job_timeout_s=4.0, max_tries=3, request_timeout_s=5,
         timeout_margin_s=1.0, burst=True, retry_base_s=0.01, transport=fake_transport(fake))
-    try:  # the burst worker waits for arq to release the killed try (job timeout + 11 s)
+    try:  # the burst worker waits for arq to release the killed try (job timeout + 15 s)
         await asyncio.wait_for(worker.main(), 60)
     finally:
         await close_worker(worker)
