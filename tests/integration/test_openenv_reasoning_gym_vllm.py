@@ -72,7 +72,7 @@ async def test_reasoning_gym_tasks_on_real_vllm_scored_by_their_scorers(
     scored = await run(redis_server.url, "rg-vllm", env,
                        "components: [{name: task, component: reasoning_gym}]\n"
                        "advantages: {zero_variance: keep}\n", vllm_server.url,
-                       ["--group-size", "3", "--max-tokens", "16", "--sampling-option",
+                       ["--group-size", "3", "--max-tokens", "40", "--sampling-option",
                         "structured_outputs=" + json.dumps({"regex": answer})],
                        real_redis, 2, tmp_path)
     dataset = make_env(spec, size=2, seed=4).dataset  # type: ignore[attr-defined]
