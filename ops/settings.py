@@ -187,8 +187,10 @@ class WorkerSettings(CommonSettings):
     section: str = Field(default="workers", exclude=True, repr=False)
     env: str = "gsm8k"
     """The env: ``gsm8k``, ``math``, ``guess``, ``sums``, ``tools``; another ecosystem's
-    (its extra installed) as ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``areal:MODULE:ATTRIBUTE``
-    or ``atropos:MODULE:ENVCLASS``; or your own as ``module:attribute``."""
+    (its extra installed) as ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``areal:MODULE:ATTRIBUTE``,
+    ``atropos:MODULE:ENVCLASS``, ``reasoning_gym:TASK[+TASK...]`` or ``openenv:URL``
+    (``openenv:MODULE[:APP]``: a server the workers start); or your own as
+    ``module:attribute``."""
     env_options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the env (e.g. ``source``, a dataset file)."""
     inference: InferenceUrls = Field(default_factory=lambda: ["http://127.0.0.1:8000"])
@@ -263,8 +265,8 @@ class FeederSettings(CommonSettings):
     section: str = Field(default="feeder", exclude=True, repr=False)
     env: str = "gsm8k"
     """The env whose items are fed, named as the workers' ``env`` (``gsm8k``, ``gem:ENV_ID``,
-    ``atropos:MODULE:ENVCLASS``, ``module:attribute``, ...): jobs name it, and workers of
-    another env refuse them."""
+    ``atropos:MODULE:ENVCLASS``, ``reasoning_gym:TASK``, ``openenv:URL``,
+    ``module:attribute``, ...): jobs name it, and workers of another env refuse them."""
     env_options: dict[str, Any] = Field(default_factory=dict)
     """The env's keyword arguments, as the workers' (the dataset and its size)."""
     epochs: int = Field(default=1, ge=1)

@@ -63,7 +63,7 @@ from arq.connections import ArqRedis, RedisSettings, create_pool
 from arq.constants import job_key_prefix, result_key_prefix, retry_key_prefix
 from arq.worker import Worker, func
 
-from rollq.producers.envs.base import Env
+from rollq.producers.envs.base import Env, close_env
 from rollq.producers.inference import InferencePool, SamplingParams
 from rollq.producers.publisher import Publisher
 from rollq.producers.rollout import PolicyVersionSource, RolloutRunner
@@ -324,6 +324,8 @@ def build_worker(
         startup_done()
 
     async def shutdown(ctx: dict[str, Any]) -> None:
+        if "runner" in ctx:  # an env's own server or connections first
+            await close_env(ctx["runner"].env)
         if "inference" in ctx:
             await ctx.pop("inference").__aexit__(None, None, None)
         if "rollq_redis" in ctx:

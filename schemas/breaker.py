@@ -27,12 +27,17 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from rollq.schemas.errors import translated_errors
-from rollq.schemas.failures import CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT
+from rollq.schemas.failures import (
+    CONTRACT_ERROR,
+    ENV_UNAVAILABLE,
+    INFERENCE_UNAVAILABLE,
+    JOB_TIMEOUT,
+)
 from rollq.schemas.keys import state_key
 
-STREAK_REASONS = frozenset({CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT})
-"""Dead-letter reasons that point at the run's configuration (the model, the servers),
-not at one item: only these build a streak."""
+STREAK_REASONS = frozenset({CONTRACT_ERROR, INFERENCE_UNAVAILABLE, JOB_TIMEOUT, ENV_UNAVAILABLE})
+"""Dead-letter reasons that point at the run's configuration (the model, the servers, an
+env server), not at one item: only these build a streak."""
 STREAK_FIELD = "failure_streak"
 STREAK_REASON_FIELD = "failure_streak_reason"
 STREAK_DETAIL_FIELD = "failure_streak_detail"

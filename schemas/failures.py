@@ -62,6 +62,13 @@ same rollout would be as large again)."""
 ENV_SKIPPED = "env_skipped"
 """An env returned no group for its item (an Atropos env's ``collect_trajectories`` gave
 None: it filtered the item out); the detail says why when the env said."""
+ENV_UNAVAILABLE = "env_unavailable"
+"""An env server (``openenv:``) failed a rollout job on every try: it could not be reached,
+closed an episode's WebSocket, did not answer a message in time, or had no free session
+within the wait; the detail names the server and what happened."""
+ENV_REWARD_MISSING = "env_reward_missing"
+"""An env ended an episode without a reward (an OpenEnv step answered ``done`` with a null
+reward) on every try of a rollout job: its scoring failed, which is never a reward of 0."""
 SESSION_EXPIRED = "session_expired"
 """An external agent session group (``rollq gateway --sessions``) had no call and no close
 for ``session_ttl_s``: its agent went away; the detail says which sessions were closed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollq.producers.envs.openenv_session import EnvRewardMissing, EnvServerUnavailable
 from rollq.schemas import (
     BrokerUnavailable,
     ContractError,
@@ -30,6 +31,9 @@ CASES: dict[str, tuple[BaseException, f.Kind, str]] = {
     "inference": (InferenceUnavailable("refused"), f.Kind.TRANSIENT, f.INFERENCE_UNAVAILABLE),
     "redis": (BrokerUnavailable("refused"), f.Kind.TRANSIENT, f.BROKER_UNAVAILABLE),
     "timeout": (TimeoutError(), f.Kind.TRANSIENT, f.JOB_TIMEOUT),
+    "env_down": (EnvServerUnavailable("closed"), f.Kind.TRANSIENT, f.ENV_UNAVAILABLE),
+    "env_no_reward": (EnvRewardMissing("done, no reward"), f.Kind.TRANSIENT,
+                      f.ENV_REWARD_MISSING),
     "bug": (KeyError("x"), f.Kind.UNEXPECTED, f.UNEXPECTED_ERROR),
 }
 

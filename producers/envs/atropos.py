@@ -12,7 +12,7 @@ ROLL's execution bridge, for atroposlib 0.4.0's ``BaseEnv``: rollq keeps the con
 - **Items**: atroposlib envs draw items from a stateful ``get_next_item()``, so the env is a
   ``DrawingEnv``: the runner records the drawn item per job (``producers.drawn``) and a
   re-run rolls the same item. Items travel as JSON; tuples, sets and frozensets are kept
-  by tags (``encode_item``). Items an env hands back in its backlog (the second value of
+  by tags (``schemas.tagged``). Items an env hands back in its backlog (the second value of
   ``collect_trajectories``) are drawn before new ones, by this worker process (a backlog
   dies with its process, as in atroposlib).
 - **One job**: the env is built and ``setup()`` once per worker process (on the first
@@ -43,7 +43,6 @@ ROLL's execution bridge, for atroposlib 0.4.0's ``BaseEnv``: rollq keeps the con
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextvars
 import importlib
 from collections.abc import Mapping
@@ -63,68 +62,15 @@ from rollq.producers.inference.capture.session import public_reply
 from rollq.producers.inference.parse import parse_chat, parse_completions
 from rollq.schemas import ConfigError, ContractError, InferenceUnavailable
 from rollq.schemas.failures import ENV_SKIPPED
+from rollq.schemas.tagged import decode_tagged, encode_tagged
 
 DEFAULT_ITEMS = 10**9
-_TAG = "__rollq__"
 
 
 class EnvSkipped(ContractError):
     """The env returned no group for its item."""
 
     reason = ENV_SKIPPED
-
-
-# --- items -------------------------------------------------------------------------------
-
-def encode_item(value: Any) -> Any:
-    """An item as JSON-ready values; tuples, sets, frozensets, bytes and non-string-keyed
-    dicts are tagged so ``decode_item`` rebuilds them. Raises ``ContractError`` for values
-    JSON cannot hold."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, list):
-        return [encode_item(v) for v in value]
-    if isinstance(value, tuple):
-        return {_TAG: "tuple", "items": [encode_item(v) for v in value]}
-    if isinstance(value, set | frozenset):
-        kind = "frozenset" if isinstance(value, frozenset) else "set"
-        return {_TAG: kind, "items": [encode_item(v) for v in value]}
-    if isinstance(value, bytes):
-        return {_TAG: "bytes", "base64": base64.b64encode(value).decode()}
-    if isinstance(value, Mapping):
-        if all(isinstance(k, str) for k in value) and _TAG not in value:
-            return {k: encode_item(v) for k, v in value.items()}
-        return {_TAG: "dict", "items": [[encode_item(k), encode_item(v)]
-                                        for k, v in value.items()]}
-    raise ContractError(f"an Atropos item holds a {type(value).__name__}, which rollq cannot "
-                        "record (JSON values, tuples, sets and bytes can be)")
-
-
-def decode_item(value: Any) -> Any:
-    """The item ``encode_item`` encoded."""
-    if isinstance(value, list):
-        return [decode_item(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    kind = value.get(_TAG)
-    if kind is None:
-        return {k: decode_item(v) for k, v in value.items()}
-    if kind == "bytes":
-        return base64.b64decode(value["base64"])
-    items = [decode_item(v) for v in value["items"]]
-    if kind == "tuple":
-        return tuple(items)
-    if kind == "frozenset":
-        return frozenset(items)
-    if kind == "set":
-        return set(items)
-    return {_hashable(k): v for k, v in items}
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
 
 
 # --- inference ---------------------------------------------------------------------------
@@ -356,7 +302,7 @@ class AtroposEnv:
     async def draw(self) -> dict[str, Any]:
         env = await self.instance()
         value = self._backlog.pop(0) if self._backlog else await env.get_next_item()
-        return {"item": encode_item(value)}
+        return {"item": encode_tagged(value, what="an Atropos item")}
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
@@ -365,7 +311,7 @@ class AtroposEnv:
         for server in env.server.servers:
             server.upstream = upstream
         env.config.group_size = group_size
-        value = decode_item(item.fields["item"])
+        value = decode_tagged(item.fields["item"])
         job = JobCalls(policy_version=policy_version, defaults=sampling.body())
         token = _JOB.set(job)
         try:

@@ -62,6 +62,9 @@ class Env(Protocol):
     - ``rollout(item, pool, group_size=, sampling=, policy_version=)``: generate one group
       of ``group_size`` completions for the item. Raises ``InferenceUnavailable`` (retry
       the job later) or a ``ContractError`` (the item can never succeed).
+
+    An env that holds a process or connections of its own (a server it started) may also
+    have ``async aclose()``: the worker calls it when it stops (``close_env``).
     """
 
     name: str
@@ -72,6 +75,13 @@ class Env(Protocol):
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout: ...
+
+
+async def close_env(env: object) -> None:
+    """Release what ``env`` holds: its ``aclose()``, where it has one."""
+    closer = getattr(env, "aclose", None)
+    if callable(closer):
+        await closer()
 
 
 class RecordItems:

@@ -134,6 +134,42 @@ class PromptStyle:
     template: str | None = None
     system_prompt: str | None = None
 
+    def render(self, fields: dict[str, Any], question_field: str) -> str | list[MessageDict]:
+        """The prompt text (completion mode) or messages (chat mode) of a record whose
+        question is under ``question_field``; a template naming a missing field is a
+        ``ConfigError``."""
+        template = self.template or "{" + question_field + "}"
+        try:
+            text = template.format(**fields)
+        except KeyError as exc:
+            raise ConfigError(f"prompt template names a missing field {exc}") from exc
+        if self.mode == "completion":
+            return text
+        messages: list[MessageDict] = []
+        if self.system_prompt is not None:
+            messages.append({"role": "system", "content": self.system_prompt})
+        return [*messages, {"role": "user", "content": text}]
+
+
+async def generate_group(prompt: str | list[MessageDict], pool: InferencePool, *,
+                         group_size: int, sampling: SamplingParams,
+                         policy_version: PolicyVersion, metadata: dict[str, Any]) -> Rollout:
+    """One single-turn group: ``prompt`` (text: ``/v1/completions``; messages:
+    ``/v1/chat/completions``) sampled ``group_size`` times in one request, stamped with the
+    policy version read just before."""
+    version = await policy_version()
+    if isinstance(prompt, str):
+        samples = await pool.complete(prompt, n=group_size, params=sampling)
+    else:
+        samples = await pool.chat(prompt, n=group_size, params=sampling)
+    return Rollout(
+        prompt_ids=samples[0].prompt_ids,
+        completions=[sample.to_completion(version) for sample in samples],
+        prompt_text=prompt if isinstance(prompt, str) else prompt[-1]["content"],
+        prompt_messages=None if isinstance(prompt, str) else prompt,
+        metadata=metadata,
+    )
+
 
 @dataclass
 class DatasetEnv(RecordItems):
@@ -153,34 +189,14 @@ class DatasetEnv(RecordItems):
 
     def prompt(self, item: Item) -> str | list[MessageDict]:
         """The prompt text (completion mode) or messages (chat mode) of an item."""
-        template = self.style.template or "{" + self.format.question_field + "}"
-        try:
-            text = template.format(**item.fields)
-        except KeyError as exc:
-            raise ConfigError(f"prompt template names a missing field {exc}") from exc
-        if self.style.mode == "completion":
-            return text
-        messages: list[MessageDict] = []
-        if self.style.system_prompt is not None:
-            messages.append({"role": "system", "content": self.style.system_prompt})
-        return [*messages, {"role": "user", "content": text}]
+        return self.style.render(item.fields, self.format.question_field)
 
     async def rollout(self, item: Item, pool: InferencePool, *, group_size: int,
                       sampling: SamplingParams, policy_version: PolicyVersion) -> Rollout:
         metadata = self.format.metadata(item.fields, item.index)
-        prompt = self.prompt(item)
-        version = await policy_version()
-        if isinstance(prompt, str):
-            samples = await pool.complete(prompt, n=group_size, params=sampling)
-        else:
-            samples = await pool.chat(prompt, n=group_size, params=sampling)
-        return Rollout(
-            prompt_ids=samples[0].prompt_ids,
-            completions=[sample.to_completion(version) for sample in samples],
-            prompt_text=prompt if isinstance(prompt, str) else prompt[-1]["content"],
-            prompt_messages=None if isinstance(prompt, str) else prompt,
-            metadata=metadata,
-        )
+        return await generate_group(self.prompt(item), pool, group_size=group_size,
+                                    sampling=sampling, policy_version=policy_version,
+                                    metadata=metadata)
 
 
 def gsm8k_env(source: str | Path, *, name: str = "gsm8k", style: PromptStyle | None = None,

@@ -69,7 +69,9 @@ def require(module: str, kind: str, extra: str) -> ModuleType:
                           f"pip install 'rollq[{extra}]' ({exc})") from exc
 
 
-def _runner(options: dict[str, Any]) -> EpisodeRunner:
+def bridge_runner(options: dict[str, Any]) -> EpisodeRunner:
+    """The multi-turn bridge's runner from a kind's options, taking the bridge's own
+    (``system_prompt``, ``max_episode_turns``, ...) out of them."""
     fields = {key: options.pop(key) for key in _RUNNER_OPTIONS if key in options}
     return EpisodeRunner(max_turns=int(options.pop("max_episode_turns",
                                                    DEFAULT_MAX_EPISODE_TURNS)), **fields)
@@ -89,7 +91,7 @@ def _records(kind: str, options: dict[str, Any]) -> list[dict[str, Any]]:
 def gem_env(spec: str, **options: Any) -> Env:
     """``gem:ENV_ID`` (module docstring)."""
     gem = require("gem", "gem", "gem")
-    runner = _runner(options)
+    runner = bridge_runner(options)
     size, first_seed = int(options.pop("size", 1000)), int(options.pop("first_seed", 0))
 
     def make() -> GemAdapter:
@@ -106,7 +108,7 @@ def gem_env(spec: str, **options: Any) -> Env:
 def skyrl_env(spec: str, **options: Any) -> Env:
     """``skyrl:ENV_ID`` (module docstring)."""
     skyrl_gym = require("skyrl_gym", "skyrl", "skyrl")
-    runner = _runner(options)
+    runner = bridge_runner(options)
     records = _records("skyrl", options)
     env_config = options.pop("env_config", None)
     if options:

@@ -13,7 +13,9 @@ Built-in names:
   in-process), ``split``, ``source``, ``max_tokens`` (per call). Needs the ``openai``
   package.
 - ``gem:ENV_ID``, ``skyrl:ENV_ID``, ``areal:MODULE:ATTRIBUTE``: other ecosystems' envs
-  (``producers.envs.kinds``).
+  (``producers.envs.kinds``); ``reasoning_gym:TASK[+TASK...]`` reasoning-gym's tasks
+  (``producers.envs.reasoning_gym``); ``openenv:URL`` or ``openenv:MODULE[:APP]`` an
+  OpenEnv env server (``producers.envs.openenv``).
 
 Dataset envs take ``source``, ``split``, ``subset``, ``data_files``, ``mode`` (``chat`` or
 ``completion``), ``template``, ``system_prompt``. ``guess`` takes ``low``, ``high``,
@@ -105,6 +107,9 @@ KINDS: dict[str, str] = {
     "skyrl": "rollq.producers.envs.kinds:skyrl_env",  # skyrl:ENV_ID (extra skyrl)
     "areal": "rollq.producers.envs.kinds:areal_env",  # areal:MODULE:ATTRIBUTE
     "atropos": "rollq.producers.envs.atropos:atropos_env",  # atropos:MODULE:CLASS (extra)
+    # reasoning_gym:TASK[+TASK...] (extra reasoning-gym)
+    "reasoning_gym": "rollq.producers.envs.reasoning_gym:reasoning_gym_env",
+    "openenv": "rollq.producers.envs.openenv:openenv_env",  # openenv:URL|MODULE[:APP] (extra)
 }
 """Env kinds by prefix: ``--env KIND:SPEC`` calls the factory at this ``module:attribute``
 path as ``factory(SPEC, **options)``. Adapters for optional packages register here."""

@@ -23,14 +23,13 @@ from rollq.producers.publisher import Publisher
 from rollq.producers.rollout import PolicyVersionSource, RolloutRunner
 from rollq.schemas import Completion, InferenceUnavailable, decode_trajectory
 from rollq.schemas.keys import stream_key
+from rollq.schemas.tagged import decode_tagged, encode_tagged
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 
 pytest.importorskip("atroposlib", reason="atroposlib is not installed (pip install rollq[atropos])")
 
 from rollq.producers.envs.atropos import (
     EnvSkipped,
-    decode_item,
-    encode_item,
     served_logprobs,
 )
 from rollq.producers.envs.registry import make_env
@@ -65,10 +64,10 @@ async def version() -> int:
 def test_items_round_trip_with_their_python_types() -> None:
     item = {"q": (1, 2), "tags": frozenset({"a", "b"}), "seen": {3}, "raw": b"\x00\xff",
             "by_pair": {(1, 2): [np.int64(4)]}, "__rollq__": None, "plain": [1.5, None, "x"]}
-    encoded = encode_item(item)
-    assert decode_item(encoded) == {**item, "by_pair": {(1, 2): [4]}}
+    encoded = encode_tagged(item)
+    assert decode_tagged(encoded) == {**item, "by_pair": {(1, 2): [4]}}
     with pytest.raises(Exception, match="cannot record"):
-        encode_item(object())
+        encode_tagged(object())
 
 
 async def test_a_drawn_item_is_recorded_once_per_job(redis: aioredis.Redis) -> None:
@@ -151,7 +150,7 @@ async def test_managed_envs_give_token_exact_groups(
     env = make_env(f"atropos:{ENVS}:{env_class}", env_name="mine", items=5)
     assert env.name == "mine" and len(env) == 5
     fields = await env.draw()  # type: ignore[attr-defined]
-    assert decode_item(fields["item"]) == (1, 1)
+    assert decode_tagged(fields["item"]) == (1, 1)
     rollout = await env.rollout(Item(0, fields), client, group_size=3,
                                 sampling=SamplingParams(max_tokens=8), policy_version=version)
     assert len(rollout.completions) == 3

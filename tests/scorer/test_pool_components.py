@@ -35,7 +35,10 @@ LABELS = [[1, 0], [0, 1], [1, 1]]
 def groups() -> list[list[Sample]]:
     """Two groups; the second's metadata are read-only mappings, which do not pickle:
     the bridge hands the pool plain dicts."""
-    gold = {"answer": "$\\frac{1}{2}$", "tests": [{"input": "", "output": "1/2"}]}
+    gold = {"answer": "$\\frac{1}{2}$", "tests": [{"input": "", "output": "1/2"}],
+            "reasoning_gym": {"dataset": "basic_arithmetic", "config": {"size": 2, "seed": 0},
+                              "index": 0, "entry": {"question": "Half of 1?", "answer": "1/2",
+                                                    "metadata": {}}}}
     first, second = ([make_sample(text, tokens=10 + 7 * i + offset, metadata=gold,
                                   completion_metadata={"step_labels": labels,
                                                        "env_score": 0.25 * i,

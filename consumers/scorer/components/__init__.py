@@ -37,6 +37,7 @@ from rollq.consumers.scorer.components.length import (
     SoftOverlongSettings,
 )
 from rollq.consumers.scorer.components.process import PrmSettings, ProcessReward, ProcessSettings
+from rollq.consumers.scorer.components.reasoning_gym import ReasoningGym, ReasoningGymSettings
 from rollq.consumers.scorer.components.reasoning_steps import ReasoningSteps, ReasoningStepsSettings
 from rollq.consumers.scorer.components.repetition import Repetition, RepetitionSettings
 
@@ -56,6 +57,7 @@ COMPONENTS: dict[str, type[RewardComponent[Any]]] = {
     "code": CodeExecution,
     "env_score": EnvScore,
     "env_return": EnvReturn,
+    "reasoning_gym": ReasoningGym,
 }
 """Built-in component type names, as written in a config's `component` field."""
 
@@ -104,6 +106,8 @@ __all__ = [
     "PrmSettings",
     "ProcessReward",
     "ProcessSettings",
+    "ReasoningGym",
+    "ReasoningGymSettings",
     "ReasoningSteps",
     "ReasoningStepsSettings",
     "Repetition",
