@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from rollq.ops.local.demo_sums import (
     sums_evaluation,
 )
 from rollq.ops.local.demo_tools import TOOLS_REWARD, gateway_argv, tools_evaluation, wait_healthy
+from rollq.ops.local.process_groups import Processes
 from rollq.ops.local.stack import RedisProcess, VllmProcess, free_port
 from rollq.producers.envs.tools import VLLM_TOOL_FLAGS
 from rollq.schemas import ConfigError
@@ -106,13 +106,11 @@ class DemoOptions:
     """Above 1: ``examples/torchrun_trainer.py`` as this many torchrun ranks (DDP, gloo on
     the CPU) instead of ``examples/grpo_trainer.py``."""
     eval_every: int = 25
-    """``sums``, ``tools``: evaluate train and held-out accuracy greedily every this many
-    trainer steps (and at step 0 and the end); 0: never (the sampled batches' accuracy is
-    still in every step's metrics)."""
+    """``sums``, ``tools``: evaluate greedily every this many trainer steps, at step 0 and
+    at the end (0: never; the sampled batches' accuracy is in every step's metrics)."""
     warm_start_steps: int = 300
     warm_start_right_fraction: float = 0.0
-    """``sums``, ``tools``: the fraction of warm-start examples that answer right
-    (``WarmStartOptions.right_fraction``; 0: the answers start at chance)."""
+    """``WarmStartOptions.right_fraction`` (0: the answers start at chance)."""
     seed: int = 0
     weight_sync: WeightSyncMethod = "reload"
     """How the trainer moves weights into vLLM (the demo's own server serves rollq_tcp)."""
@@ -151,39 +149,6 @@ class DemoResult:
     def reward_at(self, first: bool, window: int = 5) -> float:
         rows = self.steps[:window] if first else self.steps[-window:]
         return float(sum(r["reward_mean"] for r in rows)) / max(1, len(rows))
-
-
-class Processes:
-    """Child processes in their own process groups, stopped in reverse order."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.logs / f"{name}.log").open("wb") as log:  # the child keeps its own copy
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self.started.append((name, process))
-        return process
-
-    def check(self) -> None:
-        for name, process in self.started:
-            if process.poll() not in (None, 0):
-                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        for _, process in reversed(self.started):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, process in reversed(self.started):
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=5)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -317,8 +282,7 @@ def _plotted(task: Task) -> dict[str, Any]:
 def _evaluation(options: DemoOptions, inference: str, out: Path,
                 say: Callable[[str], None]) -> contextlib.AbstractContextManager[
                     SumsEvaluation | None]:
-    """The task's greedy evaluations during the run (None for ``digits``, or when
-    ``eval_every`` is 0)."""
+    """The task's greedy evaluations (None for ``digits``, or with ``eval_every`` 0)."""
     if options.eval_every == 0:
         return contextlib.nullcontext(None)
     if options.task == "tools":
