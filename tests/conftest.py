@@ -7,6 +7,7 @@ for the semantics only a real server shows (BLOCK, idle times, Lua, trimming, re
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import structlog
 
 from rollq.ops.local.cluster import LocalCluster
 from rollq.ops.local.stack import VllmProcess
-from tests.budget import Budget
+from tests.budget import SuiteRecord, classify, is_xdist_worker
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 from tests.redis_tls import TlsRedis
@@ -133,18 +134,8 @@ def make_redis_server(tmp_path: Path) -> Iterator[type[RedisServer]]:
 # --------------------------------------------------- which Redis tier each test ran on
 
 _REAL_FIXTURES = frozenset({"redis_server", "real_redis", "make_redis_server"})
-_TIER_OF: dict[str, str] = {}
-_TIER_OUTCOMES: dict[str, dict[str, int]] = {}
-
-
 _CLUSTER_FIXTURES = frozenset({"redis_cluster", "fresh_redis_cluster"})
 _TLS_FIXTURES = frozenset({"tls_redis"})
-TIERS = {
-    "fakeredis": "",
-    "real redis-server": " (a server this test session started)",
-    "redis cluster": " (3 masters + 3 replicas this test session started)",
-    "redis tls": " (a TLS-only server with a test CA and ACL users)",
-}
 
 
 def _tier(item: pytest.Item) -> str | None:
@@ -162,49 +153,32 @@ def _tier(item: pytest.Item) -> str | None:
     return None
 
 
-_VLLM_TESTS: set[str] = set()
-_VLLM_OUTCOMES: dict[str, int] = {}
-_BUDGET = Budget()
+_SUITE = SuiteRecord()
+"""Every test's tiers, outcomes and time (``tests/budget.py``)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        tier = _tier(item)
-        if tier is not None:
-            _TIER_OF[item.nodeid] = tier
-        if item.get_closest_marker("vllm") is not None:
-            _VLLM_TESTS.add(item.nodeid)
-        _BUDGET.collected(item, tier)
+        classify(item, _tier(item))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _BUDGET.reported(report)
-    # a test's outcome: its call, or the setup that kept it from running
-    if not (report.when == "call" or report.outcome != "passed"):
-        return
-    tier = _TIER_OF.get(report.nodeid)
-    if tier is not None:
-        outcomes = _TIER_OUTCOMES.setdefault(tier, {})
-        outcomes[report.outcome] = outcomes.get(report.outcome, 0) + 1
-    if report.nodeid in _VLLM_TESTS:
-        _VLLM_OUTCOMES[report.outcome] = _VLLM_OUTCOMES.get(report.outcome, 0) + 1
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """One line per Redis tier and one for the vLLM tier, so CI output shows that the
-    real-server tests ran."""
-    for tier, where in TIERS.items():
-        outcomes = _TIER_OUTCOMES.get(tier, {})
-        counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items()))
-        terminalreporter.write_line(f"redis tier {tier}{where}: {counts or 'no tests ran'}")
-    counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(_VLLM_OUTCOMES.items()))
-    terminalreporter.write_line("vllm tier (a real CPU vLLM server this test session "
-                                f"started): {counts or 'no tests ran'}")
-    for line in _BUDGET.lines():
-        terminalreporter.write_line(line)
+    _SUITE.reported(report)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A test over its time ceiling fails the run (``tests/budget.py``)."""
-    if _BUDGET.over_ceiling() and exitstatus == pytest.ExitCode.OK:
+    """Runs before the terminal summary: add earlier runs' records (``.ci/test``'s two
+    runs), and fail the run when a test is over its time ceiling."""
+    if is_xdist_worker(session.config):
+        return  # the controller counts every worker's reports
+    if record := os.environ.get("ROLLQ_SUITE_RECORD"):
+        _SUITE.merge(Path(record))
+    if _SUITE.over_ceiling() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if is_xdist_worker(terminalreporter.config):
+        return
+    for line in [*_SUITE.tier_lines(), *_SUITE.time_lines()]:
+        terminalreporter.write_line(line)

@@ -1,52 +1,66 @@
-"""The suite's time guard (``tests/budget.py``): a long test must say what it is."""
+"""The suite's record (``tests/budget.py``): tiers counted from reports, and the time guard."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.budget import CEILING_S, Budget
-
-
-@dataclass
-class Item:
-    nodeid: str
-    markers: set[str] = field(default_factory=set)
-
-    def get_closest_marker(self, name: str) -> object | None:
-        return name if name in self.markers else None
+from tests.budget import CEILING_S, SuiteRecord
 
 
 @dataclass
 class Report:
+    """What the record reads of a ``pytest.TestReport``."""
+
     nodeid: str
+    when: str
     duration: float
+    outcome: str = "passed"
+    user_properties: list[tuple[str, Any]] = field(default_factory=list)
 
 
-def _budget(*tests: tuple[Item, str | None, list[float]]) -> Budget:
-    budget = Budget()
-    for item, redis_tier, phases in tests:
-        budget.collected(item, redis_tier)  # type: ignore[arg-type]  # duck-typed stand-ins
-        for seconds in phases:  # setup, call, teardown
-            budget.reported(Report(item.nodeid, seconds))  # type: ignore[arg-type]
-    return budget
+def _test(record: SuiteRecord, nodeid: str, phases: list[float], *, redis_tier: str | None = None,
+          vllm: bool = False, kind: str = "unit", outcome: str = "passed") -> None:
+    properties = [("rollq_test", {"redis_tier": redis_tier, "vllm": vllm, "kind": kind})]
+    for when, seconds in zip(("setup", "call", "teardown"), phases, strict=False):
+        record.reported(Report(nodeid, when, seconds,  # type: ignore[arg-type]  # duck-typed
+                               outcome if when == "call" else "passed", properties))
 
 
 def test_a_long_unmarked_test_is_over_its_ceiling_with_all_its_phases_counted() -> None:
     unit = CEILING_S["unit"]
-    budget = _budget((Item("a"), None, [1.0, unit - 1.5, 1.0]),  # over only with its setup
-                     (Item("b", {"slow"}), "fakeredis", [unit + 10]),
-                     (Item("c", {"vllm", "slow"}), "real redis-server", [900.0]),
-                     (Item("d"), "real redis-server", [0.5]))
-    assert budget.over_ceiling() == {"a": (pytest.approx(unit + 0.5), unit)}
-    lines = budget.lines()
-    assert lines[0] == f"time by tier: {unit + 0.5 + unit + 10 + 900.5:.0f} s in all"
-    assert any(line.split()[:2] == ["vllm", "900"] for line in lines)  # counted as vllm
-    assert any(line.startswith("OVER CEILING: a took") for line in lines)
+    record = SuiteRecord()
+    _test(record, "a", [1.0, unit - 1.5, 1.0])  # over only with its setup and teardown
+    _test(record, "b", [0.1, unit + 10], redis_tier="fakeredis", kind="slow")
+    _test(record, "c", [900.0, 0.5], redis_tier="real redis-server", vllm=True, kind="vllm")
+    _test(record, "d", [0.5, 0.5], redis_tier="real redis-server", outcome="failed")
+    assert record.over_ceiling() == {"a": (pytest.approx(unit + 0.5), unit)}
+    times = record.time_lines()
+    assert any(line.split()[:2] == ["vllm", "900"] for line in times)  # counted as vllm
+    assert any(line.startswith("OVER CEILING: a took") for line in times)
+    tiers = record.tier_lines()
+    assert "redis tier real redis-server (a server this test session started): 1 failed, " \
+           "1 passed" in tiers
+    assert tiers[-1].endswith("started): 1 passed")
+    assert tiers[0] == "redis tier fakeredis: 1 passed"
 
 
 def test_a_slow_test_has_its_own_ceiling() -> None:
     slow = CEILING_S["slow"]
-    budget = _budget((Item("b", {"slow"}), "fakeredis", [slow + 1]))
-    assert budget.over_ceiling() == {"b": (slow + 1, slow)}
+    record = SuiteRecord()
+    _test(record, "b", [slow + 1], kind="slow")
+    assert record.over_ceiling() == {"b": (slow + 1, slow)}
+
+
+def test_runs_merge_through_a_file(tmp_path: Path) -> None:
+    first, second = SuiteRecord(), SuiteRecord()
+    _test(first, "a", [1.0, 2.0], redis_tier="fakeredis")
+    first.merge(tmp_path / "suite.json")
+    _test(second, "v", [50.0, 5.0], vllm=True, kind="vllm")
+    second.merge(tmp_path / "suite.json")
+    assert set(second.tests) == {"a", "v"}
+    assert second.tier_lines()[0] == "redis tier fakeredis: 1 passed"
+    assert second.time_lines()[0].endswith("58 s in all")
