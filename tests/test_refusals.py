@@ -41,7 +41,9 @@ async def test_a_feeder_without_arqs_keys_exits_78_at_once(make_redis_server: ty
     finally:
         process.kill()
     assert code == Exit.CONFIG, process.lines[-5:]
-    assert time.monotonic() - started < 5
+    # At once: the refusal is not ridden out as an outage (redis_give_up_s is 300 s here).
+    # ~1-2 s quietly, 5.6 s once beside a second suite: the bound is far from both.
+    assert time.monotonic() - started < 60
     assert not process.events("redis_outage_started")
     failed = process.events("command_failed")
     assert len(failed) == 1

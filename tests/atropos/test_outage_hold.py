@@ -50,6 +50,8 @@ def test_a_redis_restart_is_held_then_answered(make_redis_server: type[RedisServ
             assert queued == 1  # stored once
             assert "redis_outage_ridden" in api.log.read_text()
         else:
-            assert float(out["took"]) < 3  # the hold ran out before Redis came back
+            # the hold (1 s) ran out before Redis came back (after 3 s): the 503 says so,
+            # and it came well before the 30 s a held request would wait
+            assert float(out["took"]) < 15
     finally:
         api.stop()

@@ -188,7 +188,9 @@ async def test_workers_with_a_model_vllm_does_not_serve_exit_78_in_seconds(
         stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 78, err.decode()[-2000:]
-    assert asyncio.get_running_loop().time() - started < 10
+    # in seconds, having taken no job: ~3 s quietly, the process's start included; the bound
+    # leaves room for a loaded machine and is far from any job timeout
+    assert asyncio.get_running_loop().time() - started < 60
     served = (await vllm_server_models(vllm_server))[0]
     assert f"{vllm_server.url} serves {served}" in err.decode()
     assert await real_redis.zcard(queue_name(RUN)) == 1

@@ -37,7 +37,8 @@ async def test_workers_give_up_on_the_queue_server_alone(make_redis_server: type
     finally:
         process.kill()
     assert code == Exit.UNAVAILABLE, process.lines[-5:]
-    assert GIVE_UP_S <= took <= GIVE_UP_S + 2, f"exited {took:.1f} s after the kill"
+    # gave up at GIVE_UP_S, then exited (quietly within ~1 s; room for a loaded machine)
+    assert GIVE_UP_S <= took <= GIVE_UP_S + 8, f"exited {took:.1f} s after the kill"
     started = process.events("redis_outage_started")
     assert len(started) == 1, started
     assert started[0]["connection"] == "queue"

@@ -89,7 +89,9 @@ async def test_a_role_signalled_during_an_outage_exits_0_within_its_grace(
     finally:
         process.kill()
     assert code == 0, process.lines[-10:]
-    assert took < GRACE_S, f"{role} took {took:.1f} s to stop"
+    # within its grace (plus the exit itself on a loaded machine), not after the outage's
+    # 300 s give-up: ~1-2 s quietly
+    assert took < GRACE_S + 5, f"{role} took {took:.1f} s to stop"
     assert len(process.events("redis_outage_started")) == 1
     assert not process.events("redis_outage_gave_up")
 

@@ -356,9 +356,10 @@ async def test_jobs_retry_concurrently_and_name_the_server_and_the_cause(
         "inference_unavailable"}
     for letter in letters:
         assert fake.base_url in letter.detail and "ConnectError" in letter.detail
-    # one shared retry cycle (~3.5 s of pool back-off), not four in a row
+    # one shared retry cycle (~3.5 s of pool back-off), not four in a row (>= 10 s apart);
+    # quietly they die within ~0.1 s of each other
     spread = max(x.dead_at for x in letters) - min(x.dead_at for x in letters)
-    assert spread < 1.0
+    assert spread < 3.0
     lines = [line for line in logs if line["event"] == "rollout_dead_lettered"]
     assert len(lines) == 4
     for line in lines:

@@ -49,7 +49,7 @@ async def test_idle_workers_stop_on_a_signal(sig: signal.Signals, redis_server: 
     process.send_signal(sig)
     code = await asyncio.wait_for(process.wait(), 20)
     assert code == 0
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 20  # promptly: idle, it has no grace to wait out (25 s)
 
 
 @pytest.mark.slow

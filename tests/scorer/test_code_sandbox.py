@@ -44,8 +44,10 @@ def test_an_infinite_loop_and_a_sleep_are_killed_at_the_wall_limit() -> None:
     started = time.monotonic()
     assert score("while True:\n    pass", wall_s=1.0) == 0.0
     slept = run("import time\ntime.sleep(30)", wall_s=1.0)
-    assert slept.timed_out and slept.returncode is None
-    assert time.monotonic() - started < 2 * (1.0 + 2.0)  # two cases, one run, with grace
+    assert slept.timed_out and slept.returncode is None  # cut at the wall, not at its end
+    # Two runs of a 1 s wall (counted from the candidate's start) and their kills: ~6 s
+    # quietly; the bound is far below the 30 s sleep, with room for a loaded machine.
+    assert time.monotonic() - started < 25
 
 
 @pytest.mark.slow  # ~1 s alone; several on a loaded machine
@@ -63,10 +65,9 @@ def test_a_memory_bomb_fails_its_case() -> None:
 
 
 def test_huge_output_is_cut_and_killed() -> None:
-    started = time.monotonic()
     result = run("while True:\n    print('x' * 4096)", output_bytes=64 << 10)
     assert result.output_exceeded and len(result.stdout) == 64 << 10
-    assert time.monotonic() - started < 2.0  # killed at the cap, not at the wall
+    assert not result.timed_out  # killed at the cap, not at the wall
     assert score("while True:\n    print('3')", [{"input": "", "output": "3"}]) == 0.0
 
 
@@ -203,5 +204,6 @@ def test_zz_a_fork_bomb_is_contained() -> None:
         pytest.fail(f"the process limit does not hold ({probe}): not running the fork bomb")
     started = time.monotonic()
     result = run(BOMB, processes=16, wall_s=1.0)
-    assert result.timed_out and time.monotonic() - started < 1.0 + 2.0 + 5.0
+    # cut at the 1 s wall, the whole bomb reaped: ~3 s quietly, room for a loaded machine
+    assert result.timed_out and time.monotonic() - started < 30
     assert score(BOMB + "\nprint(3)", [{"input": "", "output": "3"}], wall_s=1.0) == 0.0
