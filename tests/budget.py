@@ -30,10 +30,11 @@ from pathlib import Path
 
 import pytest
 
-CEILING_S = {"unit": 30.0, "slow": 120.0}
-"""Seconds a test of each kind may take (``vllm`` tests: no ceiling). Far above the slowest
-of each kind measured beside other jobs on 2 cores (docs/development.md has the table), so a
-busy machine does not fail the guard."""
+CEILING_S = {"unit": 60.0, "slow": 300.0}
+"""Seconds a test of each kind may take (``vllm`` tests: no ceiling). Twice the slowest of
+each kind measured under two pytest-xdist workers beside three other jobs on 2 cores (load
+8-12: unit 26 s, slow 142 s; docs/development.md has the table), so a busy machine does
+not fail the guard; a test that needs more must say what it is."""
 
 REDIS_TIERS = {
     "fakeredis": "",

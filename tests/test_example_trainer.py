@@ -50,6 +50,7 @@ async def read_until(stream: asyncio.StreamReader, marker: bytes) -> bytes:
     return seen
 
 
+@pytest.mark.slow  # the trainer's process, with torch
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
 async def test_a_stop_while_waiting_for_data_saves_the_steps_done_and_says_one_line(
@@ -78,6 +79,7 @@ async def test_a_stop_while_waiting_for_data_saves_the_steps_done_and_says_one_l
     assert saved["step"] == 2
 
 
+@pytest.mark.slow  # the trainer's process, with torch
 @pytest.mark.timeout(300)
 async def test_a_stop_before_any_data_is_one_line_and_nothing_saved(
         real_redis: aioredis.Redis, redis_server: RedisServer, tiny_model: Path,

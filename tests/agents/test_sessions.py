@@ -237,6 +237,7 @@ async def test_opening_is_admitted_under_the_staleness_budget(
     assert await real_redis.hget(f"rollq:{{{RUN}}}:state", "admitted") == b"2"
 
 
+@pytest.mark.slow  # a gateway process killed and restarted
 async def test_kill_9_of_the_gateway_mid_episode_loses_nothing(
         real_redis: aioredis.Redis, redis_server: RedisServer, tmp_path: Path) -> None:
     """``rollq gateway --sessions`` killed with SIGKILL after an episode's first call: a

@@ -138,6 +138,7 @@ async def rollout(env: Any, pool: InferencePool, seed_index: int = 0,
     return result
 
 
+@pytest.mark.slow  # 16 sessions one after another and two server starts
 async def test_a_group_of_8_on_a_one_session_server_runs_one_after_another(
         pool: tuple[InferencePool, FakeVLLM], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,6 +185,7 @@ async def test_a_group_of_8_on_a_one_session_server_runs_one_after_another(
     assert process is not None and process.returncode is not None  # stopped with the env
 
 
+@pytest.mark.slow  # real workers, retried jobs
 async def test_an_episode_without_a_reward_and_a_server_down_are_dead_lettered(
         plain: EnvServer, redis_server: RedisServer, real_redis: aioredis.Redis) -> None:
     """Through real workers on a real redis-server: a step that ends the episode with no

@@ -33,6 +33,7 @@ async def start_workers(redis_url: str, inference: str, model: str) -> asyncio.s
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
 
+@pytest.mark.slow  # the workers' process
 async def test_a_wrong_model_exits_78_in_seconds_having_taken_no_job(
         real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
     queue = await connect_queue(redis_server.url)
@@ -58,6 +59,7 @@ async def test_a_wrong_model_exits_78_in_seconds_having_taken_no_job(
         assert await real_redis.xlen(stream_key(RUN, 0, name)) == 0
 
 
+@pytest.mark.slow  # the workers' process
 async def test_an_unreachable_server_is_waited_for_and_a_stop_ends_the_wait(
         redis_server: RedisServer) -> None:
     url = f"http://127.0.0.1:{free_port()}"
