@@ -259,7 +259,7 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         job_timeout_s=settings.job_timeout_s, max_tries=settings.max_tries,
         request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
         result_ttl_s=settings.job_result_ttl_s, redis_options=queue_options(settings),
-        max_entry_bytes=settings.max_entry_bytes,
+        max_entry_bytes=settings.max_entry_bytes, logprobs_mode=settings.logprobs_mode,
         grace_s=settings.grace_s,
         burst=burst, transport=transport, on_refused=lambda exc: refuse(exc),
     )

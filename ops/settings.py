@@ -223,6 +223,13 @@ class WorkerSettings(CommonSettings):
     """Largest encoded group a worker publishes (bytes: token arrays ~9 B per token, plus
     text and metadata; 64 MiB holds 16 x 256k tokens); a larger one is dead-lettered as
     ``entry_too_large`` instead of filling Redis' memory."""
+    logprobs_mode: Literal["auto", "raw_logprobs", "processed_logprobs", "raw_logits",
+                           "processed_logits"] = "auto"
+    """The servers' vLLM ``--logprobs-mode``, recorded with every completion
+    (``sampling.logprobs_mode``). ``auto``: each server says it (``GET /server_info``, once
+    per server; vLLM answers it only with ``VLLM_SERVER_DEV_MODE=1``, else the mode is
+    recorded as not known and a trainer's off-policy correction refuses the group). Set it
+    when the servers run without dev mode."""
 
 
     @field_validator("sampling_options")

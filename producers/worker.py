@@ -280,6 +280,7 @@ def build_worker(
     result_ttl_s: float = 600.0,
     timeout_margin_s: float = TIMEOUT_MARGIN_S,
     max_entry_bytes: int | None = None,
+    logprobs_mode: str | None = None,
     redis_options: Mapping[str, Any] | None = None,
     transport: Any = None,
     name: str | None = None,
@@ -306,7 +307,7 @@ def build_worker(
             await redis.aclose()
             raise
         pool = InferencePool(inference_urls, model=model or None, timeout_s=request_timeout_s,
-                             transport=transport)
+                             logprobs_mode=logprobs_mode, transport=transport)
         await pool.__aenter__()
         ctx.update(
             rollq_redis=redis,

@@ -34,7 +34,7 @@ from rollq.schemas.arrays import (
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION: Literal[2] = 2
 """Version written into every entry's ``v`` field. Bump on any incompatible change.
 
 2 added, per completion, ``sampling`` (``SamplingRecord``) and ``routed_experts``; both are

@@ -69,6 +69,9 @@ class InferencePool:
     - ``pause_timeout_s``: longest wait for a paused server before ``PauseTimeout``;
       ``pause_poll`` spaces the ``/is_paused`` polls; ``max_aborts``: resends of one
       request after aborted generations.
+    - ``logprobs_mode``: the servers' ``--logprobs-mode``, recorded with each sample
+      (``Choice.sampling``); ``auto`` asks each server's ``/server_info`` (vLLM in dev
+      mode) once; None: not known.
     - ``transport``: an httpx transport (``httpx.MockTransport`` in tests).
     """
 
@@ -87,6 +90,7 @@ class InferencePool:
         max_aborts: int = 8,
         max_connections: int | None = None,
         api_key: str | None = None,
+        logprobs_mode: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not base_urls:
@@ -106,6 +110,7 @@ class InferencePool:
         self.max_aborts = max_aborts
         self.max_connections = max_connections
         self.api_key = api_key
+        self.logprobs_mode = logprobs_mode
         self.transport = transport
         self.servers: list[InferenceServer] = []
         self._client: httpx.AsyncClient | None = None
@@ -125,6 +130,8 @@ class InferencePool:
                                 max_keepalive_connections=None),
         )
         self.servers = [InferenceServer(url, self._client) for url in self.base_urls]
+        for server in self.servers:
+            server.declared_logprobs_mode = self.logprobs_mode
         if self.health_interval_s is not None:
             self._health_task = asyncio.create_task(self._watch_health(self.health_interval_s),
                                                     name="rollq-inference-health")
