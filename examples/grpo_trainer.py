@@ -18,6 +18,17 @@ Resume with ``--resume``: the model and optimizer come back from the checkpoint 
 the final weights exactly once. ``--flip-advantages`` is the control experiment: it trains
 against the signal, and the reward must not rise.
 
+``--is-correction tis|mis|geo`` corrects for the sampler not being the policy being trained
+(it is up to ``--max-staleness`` versions older, on another engine): each token's term is
+weighted by its importance ratio, truncated (``tis``, at ``--is-tis-cap``), masked outside
+``--is-token-mask`` (``mis``), or whole sequences masked when their geometric-mean ratio is
+outside ``--is-geo-mask`` (``geo``); ``consumers.trainer.correction`` has the math. A batch
+whose sampler logprobs cannot be compared with the trainer's (``processed_logprobs`` with
+top_p < 1, a logprobs mode nobody recorded) is refused: the trainer stops with exit 78,
+the batch stays pending. ``none`` (the default) keeps the sampler's logprobs as PPO's old
+policy. Every step logs ``is_ratio_mean``, ``is_filter_drop_frac`` and
+``staleness_histogram`` (trainable tokens by versions behind).
+
 ``--kl-coef β`` adds β·KL(policy ‖ reference) to the loss, the reference being a frozen copy
 of ``--model`` (the starting weights, also on resume): the k3 estimator
 ``exp(r - p) - (r - p) - 1`` per trainable token (p, r: the policy's and the reference's
@@ -51,7 +62,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
-from rollq.schemas import BrokerUnavailable
+from rollq.consumers.trainer.correction import (
+    CORRECTION_METHODS,
+    IsCorrection,
+    check_logprobs,
+    importance_weights,
+    staleness_histogram,
+)
+from rollq.schemas import BrokerUnavailable, ConfigError
 from rollq.schemas.heap import freeze_heap
 
 
@@ -80,6 +98,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "first steps move every weight by about lr) [0: none]")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
+    parser.add_argument("--is-correction", choices=CORRECTION_METHODS, default="none",
+                        help="off-policy correction: truncated IS, masked IS, geometric "
+                             "sequence masking [none]")
+    parser.add_argument("--is-tis-cap", type=float, default=2.0,
+                        help="tis: the largest token weight [2.0]")
+    parser.add_argument("--is-token-mask", type=float, nargs=2, default=(0.5, 2.0),
+                        metavar=("LOW", "HIGH"), help="mis: token ratios kept [0.5 2.0]")
+    parser.add_argument("--is-geo-mask", type=float, nargs=2, default=(0.99, 1.01),
+                        metavar=("LOW", "HIGH"),
+                        help="geo: sequence geometric-mean ratios kept [0.99 1.01]")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads (1 beside a CPU vLLM server) [torch's default]")
     parser.add_argument("--flip-advantages", action="store_true",
@@ -115,14 +143,21 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, clip: float,
-              per: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              mask: torch.Tensor, clip: float, per: float | None = None,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip objective with per-token advantages, averaged over trainable tokens
-    (``per``: divide the sum by this instead; examples/torchrun_trainer.py's ranks do)."""
-    ratio = torch.exp(logprobs - sampler_logprobs)
+    (``per``: divide the sum by this instead; examples/torchrun_trainer.py's ranks do).
+
+    ``weights``: an off-policy correction's token weights; the PPO ratio is then taken
+    against the policy before this step (``logprobs.detach()``), the sampler's part of it
+    being in the weights (decoupled PPO)."""
+    old = sampler_logprobs if weights is None else logprobs.detach()
+    ratio = torch.exp(logprobs - old)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
     tokens = mask.sum().clamp(min=1)
     loss = (per_token * mask).sum() / (tokens if per is None else per)
     with torch.no_grad():
@@ -247,6 +282,9 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
 def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
              args: argparse.Namespace) -> dict[str, Any]:
     """One optimizer step on ``batch`` (the ``step``-th); its metrics record."""
+    correction = IsCorrection(args.is_correction, args.is_tis_cap, tuple(args.is_token_mask),
+                              tuple(args.is_geo_mask))
+    check_logprobs(batch.sampling, correction.method)  # ConfigError: the batch stays pending
     data = batch.targets()
     tensors = {name: torch.as_tensor(value, device=args.device) for name, value in {
         "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -257,8 +295,12 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
         tensors["advantages"] = -tensors["advantages"]
     logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
                               tensors["labels"])
-    loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
-                            tensors["advantages"], tensors["mask"], args.clip)
+    weights, stats = importance_weights(logprobs, tensors["sampler_logprobs"], tensors["mask"],
+                                        correction)
+    loss, ppo = grpo_loss(logprobs, tensors["sampler_logprobs"], tensors["advantages"],
+                          tensors["mask"], args.clip,
+                          weights=None if correction.method == "none" else weights)
+    stats |= ppo
     if reference is not None:
         with torch.no_grad():
             reference_logprobs = token_logprobs(
@@ -277,6 +319,7 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
         "step": step, "loss": float(loss.detach()), "reward_mean": float(batch.rewards.mean()),
         "tokens": int(batch.loss_mask.sum()), "groups": len(batch.groups),
         "staleness": step - 1 - min(g.policy_version for g in batch.groups),
+        "staleness_histogram": staleness_histogram(data.versions, data.loss_mask, step - 1),
         "group_ids": batch.group_ids, "components": component_means(batch.groups), **stats,
     }
 
@@ -297,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as exc:
         print(f"grpo_trainer: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
         return 69
+    except ConfigError as exc:  # a batch the off-policy correction cannot use
+        print(f"grpo_trainer: {exc}", file=sys.stderr)
+        return 78
 
 
 def train(args: argparse.Namespace, stop: StopSignals) -> int:
