@@ -221,7 +221,7 @@ def sync_record(client: SyncTrainerClient) -> dict[str, Any]:
     if sync is None:
         return {}
     return {"weight_sync": sync.method, "sync_seconds": sync.seconds,
-            "paused_seconds": sync.paused_seconds}
+            "paused_seconds": sync.paused_seconds, "sync_aborted_requests": sync.aborted_requests}
 
 
 def sync_weights(client: SyncTrainerClient, step: int, model: Any, weights_dir: Path,
