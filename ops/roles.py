@@ -260,6 +260,7 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         request_timeout_s=settings.request_timeout_s, partitions=settings.partitions,
         result_ttl_s=settings.job_result_ttl_s, redis_options=queue_options(settings),
         max_entry_bytes=settings.max_entry_bytes, logprobs_mode=settings.logprobs_mode,
+        lora_name=settings.lora_name,
         grace_s=settings.grace_s,
         burst=burst, transport=transport, on_refused=lambda exc: refuse(exc),
     )

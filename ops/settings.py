@@ -230,6 +230,10 @@ class WorkerSettings(CommonSettings):
     per server; vLLM answers it only with ``VLLM_SERVER_DEV_MODE=1``, else the mode is
     recorded as not known and a trainer's off-policy correction refuses the group). Set it
     when the servers run without dev mode."""
+    lora_name: str = ""
+    """With a trainer on ``weight_sync='lora'``: its ``lora_name``. Each generation then
+    names the adapter of the run's current policy version, ``<lora_name>-v<version>`` (the
+    base model at version 0), and its tokens carry that version exactly. Empty: the model."""
 
 
     @field_validator("sampling_options")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -42,6 +41,7 @@ import httpx
 import structlog
 
 from rollq.consumers.trainer.errors import WeightSyncError
+from rollq.schemas.keys import adapter_name, adapter_version
 
 log = structlog.get_logger("rollq.trainer")
 
@@ -56,17 +56,6 @@ class LoraAdapter:
 
     config: Mapping[str, Any]
     tensors: Mapping[str, Any] = field(repr=False)
-
-
-def adapter_name(prefix: str, version: int) -> str:
-    """The name version ``version`` of the adapter is served under: ``<prefix>-v<version>``."""
-    return f"{prefix}-v{version}"
-
-
-def adapter_version(prefix: str, name: str) -> int | None:
-    """The version an adapter name of ``prefix`` carries (None: not one of ours)."""
-    found = re.fullmatch(re.escape(prefix) + r"-v([0-9]+)", name)
-    return int(found.group(1)) if found else None
 
 
 def write_adapter(adapter: LoraAdapter, directory: Path) -> int:

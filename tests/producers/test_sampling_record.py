@@ -72,3 +72,23 @@ def test_routed_experts_are_parsed_from_vllms_base64_npy() -> None:
         parse_completions(_body(_npy(np.zeros((5, 2, 2), np.uint8))))
     with pytest.raises(InferenceResponseError, match=r"base64 \.npy"):
         parse_completions(_body("not base64!"))
+
+
+async def test_with_lora_each_generation_names_the_adapter_of_the_version_it_read() -> None:
+    fake = FakeVLLM("http://a.test")
+    fake.adapters.add("policy-v3")
+    versions = iter([0, 3])
+
+    async def policy_version() -> int:
+        return next(versions)
+
+    async with InferencePool([fake.base_url], transport=fake_transport(fake),
+                             health_interval_s=None, lora_name="policy",
+                             policy_version=policy_version) as pool:
+        [base] = await pool.complete("hi", n=1)
+        [adapted] = await pool.complete("hi", n=1)
+    models = [body["model"] for path, body in fake.requests if path == "/v1/completions"]
+    assert models == ["rollq-tiny", "policy-v3"]
+    assert base.versions(7) == [0] * len(base.completion_ids)  # exact: not the version read
+    assert adapted.to_completion(7).policy_version == 3
+    assert adapted.sampling is not None and adapted.sampling.model == "policy-v3"

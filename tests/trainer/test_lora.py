@@ -13,8 +13,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollq.consumers.trainer import TrainerClient, TrainerClientSettings, WeightSyncError
-from rollq.consumers.trainer.lora import LoraAdapter, adapter_version
-from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key
+from rollq.consumers.trainer.lora import LoraAdapter
+from rollq.schemas.keys import POLICY_VERSION_FIELD, adapter_version, state_key
 from tests.trainer.helpers import RUN, FakeVllm
 
 torch = pytest.importorskip("torch")
