@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Shared set-up for .ci/test and .ci/demo: everything a fresh machine needs, idempotent.
 #   - redis-server (Debian package) when missing
-#   - .venv: rollq with its roles, dev, train, atropos, metrics, gem and skyrl extras (torch
+#   - .venv: rollq with its roles, dev, train, atropos, metrics, gem, skyrl and lora extras (torch
 #     pinned to the CPU wheel by .ci/constraints.txt)
 #   - .venv-vllm: vLLM's CPU build in its own environment (see .ci/vllm.sh)
 set -euo pipefail
@@ -16,13 +16,13 @@ if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
-echo "setup: .venv (rollq + roles, dev, train, atropos, metrics, gem and skyrl extras)"
+echo "setup: .venv (rollq + roles, dev, train, atropos, metrics, gem, skyrl and lora extras)"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
 # Always run: a no-op in seconds when everything is installed, and it picks up new deps.
-.venv/bin/python -m pip install --quiet -c .ci/constraints.txt -e ".[roles,dev,train,atropos,metrics,gem,skyrl]"
+.venv/bin/python -m pip install --quiet -c .ci/constraints.txt -e ".[roles,dev,train,atropos,metrics,gem,skyrl,lora]"
 
 if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
   echo "setup: vLLM CPU environment (.venv-vllm)"

@@ -9,7 +9,9 @@ One step:
   4. optimizer step, then ``client.publish_policy``: with ``--weight-sync reload`` the
      weights are saved (safetensors, HF layout) and every vLLM server reloads them; with
      ``transfer`` they are sent through vLLM's weight-transfer API (``rollq_tcp`` on CPU
-     servers, ``nccl`` on GPUs); the run's policy version becomes the step;
+     servers, ``nccl`` on GPUs); with ``lora`` only a LoRA adapter trains (PEFT, rank
+     ``--lora-rank``) and every server loads each version at run time, nothing paused;
+     the run's policy version becomes the step;
   5. ``batch.ack()``: the groups are consumed; then, every ``--checkpoint-every`` steps, a
      checkpoint with the model, the optimizer and ``client.state()``.
 
@@ -69,6 +71,7 @@ from rollq.consumers.trainer.correction import (
     importance_weights,
     staleness_histogram,
 )
+from rollq.consumers.trainer.lora import LoraAdapter
 from rollq.schemas import BrokerUnavailable, ConfigError
 from rollq.schemas.heap import freeze_heap
 
@@ -113,9 +116,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward")
     parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--weight-sync", choices=("reload", "transfer"), default="reload",
+    parser.add_argument("--weight-sync", choices=("reload", "transfer", "lora"),
+                        default="reload",
                         help="reload: save to --out/weights and every server reloads it; "
-                             "transfer: send through vLLM's weight-transfer API [reload]")
+                             "transfer: send through vLLM's weight-transfer API; lora: "
+                             "train a LoRA adapter that every server loads at run time "
+                             "(vLLM --enable-lora; the peft extra) [reload]")
+    parser.add_argument("--lora-rank", type=int, default=8, help="lora: the adapter's rank [8]")
+    parser.add_argument("--lora-alpha", type=float, default=16.0,
+                        help="lora: its scale numerator (scale = alpha / rank) [16]")
     parser.add_argument("--transfer-backend",
                         help="the servers' --weight-transfer-config backend "
                              "[rollq_tcp on --device cpu, else nccl]")
@@ -230,6 +239,12 @@ def sync_weights(client: SyncTrainerClient, step: int, model: Any, weights_dir: 
     if args.weight_sync == "reload":
         model.save_pretrained(weights_dir, safe_serialization=True)
         publish(client, step, weights_dir, args.sync_give_up_s)
+    elif args.weight_sync == "lora":  # the adapter's tensors only: megabytes, no pause
+        from peft import get_peft_model_state_dict
+
+        adapter = LoraAdapter(model.peft_config["default"].to_dict(),
+                              get_peft_model_state_dict(model))
+        publish(client, step, adapter, args.sync_give_up_s)
     else:
         publish(client, step, model, args.sync_give_up_s)
 
@@ -353,17 +368,24 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     out.mkdir(parents=True, exist_ok=True)
     weights_dir, checkpoint = out / "weights", out / "checkpoint.pt"
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    if args.weight_sync == "lora":  # only the adapter trains (initialised as the base model)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                                 target_modules="all-linear"))
     model.to(args.device).train()
     reference = None
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
         reference.to(args.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
                                      max_staleness=args.max_staleness, inference_urls=urls,
                                      weight_sync=args.weight_sync, transfer_backend=backend,
+                                     lora_dir=str(out / "adapters"),
                                      wait_log_s=args.wait_log_s,
                                      redis_ca_file=args.redis_ca_file,
                                      redis_cert_file=args.redis_cert_file,

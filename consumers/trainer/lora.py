@@ -20,9 +20,11 @@ Per sync of version ``step`` (the servers run with ``--enable-lora`` and
 A server that refuses 2 fails the sync: the adapter is unloaded again from the servers
 that took it, ``WeightSyncError`` names each server that refused and why, and the run's
 version is unchanged. A failed unload in 4 does not undo a sync that served: it is logged
-(``lora_unload_failed``), and the next sync tries again. Version 0 is the base model
-(an adapter initialised as PEFT does, ``B = 0``, is the base model); nothing is loaded
-for a sync of step 0.
+(``lora_unload_failed``), and the next sync tries again.
+
+Version 0 is the base model: a sync of step 0 loads nothing (the workers name the base
+model at version 0). An adapter initialised as PEFT does (``B = 0``) is the base model; a
+trainer that starts from a trained adapter publishes it as step 1 or later.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class LoraSync:
         """Load version ``step`` everywhere, raise the run's version, unload the old ones;
         returns (seconds, adapter bytes). Raises WeightSyncError (version unchanged)."""
         started = time.monotonic()
-        if step == 0 and weights is None:  # the base model: nothing to load
+        if step == 0:  # version 0 is the base model: nothing to load
             await on_updated()
             return time.monotonic() - started, 0
         path, size = await asyncio.to_thread(self._directory, step, weights)

@@ -34,3 +34,20 @@ def vllm_server(
                          compile_cache=cache, weight_transfer="rollq_tcp").start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def lora_server(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmProcess]:
+    """A second server of the tiny model that serves LoRA adapters loaded at run time
+    (``weight_sync='lora'``); started once, for the tests that need it."""
+    python = vllm_python()
+    cache = Path(python).resolve().parent.parent / "inductor-cache"
+    server = VllmProcess(python, tiny_model, tmp_path_factory.mktemp("vllm-lora") / "server.log",
+                         compile_cache=cache, served_name="rollq-tiny",
+                         extra_args=["--enable-lora", "--max-lora-rank", "8",
+                                     "--max-loras", "2"],
+                         environment={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}).start()
+    yield server
+    server.stop()
