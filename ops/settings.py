@@ -225,15 +225,14 @@ class WorkerSettings(CommonSettings):
     ``entry_too_large`` instead of filling Redis' memory."""
     logprobs_mode: Literal["auto", "raw_logprobs", "processed_logprobs", "raw_logits",
                            "processed_logits"] = "auto"
-    """The servers' vLLM ``--logprobs-mode``, recorded with every completion
-    (``sampling.logprobs_mode``). ``auto``: each server says it (``GET /server_info``, once
-    per server; vLLM answers it only with ``VLLM_SERVER_DEV_MODE=1``, else the mode is
-    recorded as not known and a trainer's off-policy correction refuses the group). Set it
-    when the servers run without dev mode."""
+    """The servers' vLLM ``--logprobs-mode``, recorded with every completion. ``auto``: each
+    server says it (``GET /server_info``, once; vLLM answers only with
+    ``VLLM_SERVER_DEV_MODE=1``, else it is recorded as not known and a trainer's off-policy
+    correction refuses the group). Set it when the servers run without dev mode."""
     lora_name: str = ""
-    """With a trainer on ``weight_sync='lora'``: its ``lora_name``. Each generation then
-    names the adapter of the run's current policy version, ``<lora_name>-v<version>`` (the
-    base model at version 0), and its tokens carry that version exactly. Empty: the model."""
+    """With a trainer on ``weight_sync='lora'``: its ``lora_name``. Each generation names the
+    adapter of the run's version, ``<lora_name>-v<version>`` (the base model at version 0),
+    and its tokens carry that version exactly. Empty: the model."""
 
 
     @field_validator("sampling_options")

@@ -108,3 +108,28 @@ async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logp
     assert "--enable-lora" in raised.value.failures[vllm_server.url]
     assert served_adapters(url) == {"policy-v2", "policy-v3"}  # v4 taken back
     assert int(await redis.hget(state_key("lora-sync"), POLICY_VERSION_FIELD) or -1) == 3
+
+
+LEARNING_LR = 2e-2  # placeholder: calibrated below
+LEARNING_MARGIN = 0.15  # placeholder: calibrated below
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lora_adapter_learns_through_the_loop(
+        lora_server: VllmProcess, redis_server: RedisServer, tiny_model: Path,
+        tmp_path: Path) -> None:
+    """The digits demo of test_learning.py, training a rank-8 adapter: real workers naming
+    each version's adapter, a real scorer, the example trainer with ``--weight-sync lora``.
+    The bar: the last 5 steps' reward over the first 5's, from measured runs."""
+    from rollq.ops.local.demo import DemoOptions, run_demo
+
+    learned = run_demo(DemoOptions(out=tmp_path / "lora", run="lora-learn",
+                                   redis_url=redis_server.url, inference=lora_server.url,
+                                   model=tiny_model, steps=30, weight_sync="lora",
+                                   lr=LEARNING_LR), say=lambda _: None)
+    assert len(learned.steps) == 30
+    assert {step["weight_sync"] for step in learned.steps} == {"lora"}
+    assert all(step["sync_aborted_requests"] == 0 for step in learned.steps)
+    first, last = learned.reward_at(first=True), learned.reward_at(first=False)
+    assert last > first + LEARNING_MARGIN, f"reward {first:.3f} -> {last:.3f}: did not learn"
