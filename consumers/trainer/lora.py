@@ -62,8 +62,12 @@ class LoraAdapter:
 
 def write_adapter(adapter: LoraAdapter, directory: Path) -> int:
     """Write ``adapter`` as a PEFT directory; returns the bytes of its tensors file."""
-    import torch
-    from safetensors.torch import save_file
+    try:
+        import torch
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ImportError("writing a LoraAdapter needs torch and safetensors (pip install "
+                          "'rollq[train]'), or publish a PEFT directory") from exc
 
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: (value.detach() if isinstance(value, torch.Tensor)
