@@ -113,8 +113,8 @@ async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logp
     assert int(await redis.hget(state_key("lora-sync"), POLICY_VERSION_FIELD) or -1) == 3
 
 
-LEARNING_LR = 2e-2  # placeholder: calibrated below
-LEARNING_MARGIN = 0.15  # placeholder: calibrated below
+LEARNING_LR = 2e-2  # 10x the full fine-tune's 2e-3, as usual for LoRA
+LEARNING_MARGIN = 0.01  # half the smallest gain measured in 5 runs (docstring below)
 
 
 @pytest.mark.slow
@@ -124,7 +124,13 @@ def test_a_lora_adapter_learns_through_the_loop(
         tmp_path: Path) -> None:
     """The digits demo of test_learning.py, training a rank-8 adapter: real workers naming
     each version's adapter, a real scorer, the example trainer with ``--weight-sync lora``.
-    The bar: the last 5 steps' reward over the first 5's, from measured runs."""
+
+    The bar: the last 5 steps' mean reward over the first 5's. Measured in 5 runs of these
+    30 steps (seeds 0-4, lr 2e-2, one LoRA server, under the heavy lock on 2 cores):
+    gains 0.045, 0.042, 0.032, 0.021, 0.036 (first 5 steps 0.229-0.241, last 5 0.260-0.277),
+    ~95-125 s a run; the bar is half the smallest. A rank-8 adapter moves the tiny model
+    slower than full fine-tuning (test_learning.py's bar is 0.15); a longer curve is a
+    benchmark, not a test. Every sync took ~0.015 s and aborted nothing."""
     from rollq.ops.local.demo import DemoOptions, run_demo
 
     learned = run_demo(DemoOptions(out=tmp_path / "lora", run="lora-learn",
