@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Shared set-up for .ci/test and .ci/demo: everything a fresh machine needs, idempotent.
 #   - redis-server (Debian package) when missing
-#   - .venv: rollq with its roles, dev, train, atropos, metrics, gem, skyrl, reasoning-gym and
-#     openenv extras (torch pinned to the CPU wheel by .ci/constraints.txt)
+#   - .venv: rollq with its roles, dev, train, atropos, metrics, gem, skyrl, reasoning-gym,
+#     openenv and lora extras (torch pinned to the CPU wheel by .ci/constraints.txt)
 #   - .venv-vllm: vLLM's CPU build in its own environment (see .ci/vllm.sh)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -16,14 +16,14 @@ if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
-echo "setup: .venv (rollq + roles, dev, train, atropos, metrics, gem, skyrl, reasoning-gym, openenv)"
+echo "setup: .venv (rollq + roles, dev, train, atropos, metrics, gem, skyrl, reasoning-gym, openenv, lora)"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
 fi
 # Always run: a no-op in seconds when everything is installed, and it picks up new deps.
 .venv/bin/python -m pip install --quiet -c .ci/constraints.txt \
-  -e ".[roles,dev,train,atropos,metrics,gem,skyrl,reasoning-gym,openenv]"
+  -e ".[roles,dev,train,atropos,metrics,gem,skyrl,reasoning-gym,openenv,lora]"
 
 if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
   echo "setup: vLLM CPU environment (.venv-vllm)"

@@ -19,13 +19,20 @@ hits both alike:
   than the trainer would meet them.
 - transfer: ``publish_policy(step, model)``: pause, start, chunks over TCP, finish, reset,
   version, resume. Paused time: from the last pause answered to the first resume sent.
+- lora: a rank-8 LoRA adapter on every linear layer of the same model (PEFT),
+  ``publish_policy(step, LoraAdapter)`` with ``weight_sync='lora'``: the adapter written
+  (safetensors) and loaded by the server at run time under its versioned name; nothing
+  pauses. Its bytes are the adapter's, transfer's the model's. The server runs with
+  ``--enable-lora`` (and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) for every method.
 
 After the last sync of each method the server's logprobs for a fixed prompt must equal the
-trainer model's (a sync that moved nothing would be fast too). Prints, per shape, a line
-for reload (warm) and one for reload cold against the same transfer runs:
+trainer model's (the adapted model's, served under the adapter's name, for lora: a sync
+that moved nothing would be fast too). Prints, per shape, a line for reload (warm) and one
+for reload cold against the same transfer runs, and the lora line:
 
     weight sync: params P, reload R s (paused Rp s), transfer T s (paused Tp s), ratio R/T,
     paused ratio Tp/Rp
+    weight sync: params P, lora L s (B MB a sync, paused 0 s), transfer T s (M MB), ratio T/L
 
 with medians of the repeats; ``--json PATH`` writes every run.
 """
@@ -50,15 +57,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
+from rollq.consumers.trainer.lora import LoraAdapter
 from rollq.ops.local.stack import RedisProcess, VllmProcess
 from rollq.ops.local.tiny_model import write_tiny_model
 
 PROMPT = "the quick brown fox 1 2 3"
 
 
-def largest_gap(url: str, model: Any) -> float:
+def largest_gap(url: str, model: Any, served: str = "rollq-tiny") -> float:
     response = httpx.post(f"{url}/v1/completions", timeout=300, json={
-        "model": "rollq-tiny", "prompt": PROMPT, "max_tokens": 1, "echo": True,
+        "model": served, "prompt": PROMPT, "max_tokens": 1, "echo": True,
         "logprobs": 0, "temperature": 0}).json()
     served = response["choices"][0]["logprobs"]["token_logprobs"][1:-1]
     tokens = httpx.post(f"{url}/tokenize", timeout=60,
@@ -88,15 +96,42 @@ def nudge(model: Any, seed: int) -> None:
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-3)
 
 
+def lora_model(model_dir: Path) -> Any:
+    """The model with a random rank-8 adapter on every linear layer (PEFT: the lora extra)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                           init_lora_weights=False)).eval()
+
+
+def adapter(model: Any) -> LoraAdapter:
+    from peft import get_peft_model_state_dict
+
+    return LoraAdapter(model.peft_config["default"].to_dict(), get_peft_model_state_dict(model))
+
+
+def nudge_adapter(model: Any, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 1e-3)
+
+
 async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
                   redis_url: str) -> dict[str, Any]:
     model_dir = write_tiny_model(directory / shape, shape=shape)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     params = sum(p.numel() for p in model.parameters())
+    adapted = lora_model(model_dir)
     server = VllmProcess(vllm_python, model_dir, directory / f"vllm-{shape}.log",
-                         weight_transfer="rollq_tcp", max_model_len=256).start(timeout_s=600)
-    runs: dict[str, list[tuple[float, float]]] = {"reload": [], "reload_cold": [],
-                                                   "transfer": []}
+                         weight_transfer="rollq_tcp", max_model_len=256,
+                         extra_args=["--enable-lora", "--max-lora-rank", "8"],
+                         environment={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+                         ).start(timeout_s=600)
+    runs: dict[str, list[tuple[float, float, int]]] = {"reload": [], "reload_cold": [],
+                                                        "transfer": [], "lora": []}
     redis = aioredis.Redis.from_url(redis_url)
     try:
         base = {"inference_urls": (server.url,), "transfer_backend": "rollq_tcp",
@@ -105,19 +140,31 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
                                settings=TrainerClientSettings(weight_sync="reload", **base))
         transfer = TrainerClient(redis, run=f"transfer-{shape}", consumer="bench",
                                  settings=TrainerClientSettings(weight_sync="transfer", **base))
+        lora = TrainerClient(redis, run=f"lora-{shape}", consumer="bench",
+                             settings=TrainerClientSettings(
+                                 weight_sync="lora", lora_dir=str(directory / "adapters"),
+                                 **base))
         weights = directory / f"weights-{shape}"
         gaps = {}
-        async with reload, transfer:
+        async with reload, transfer, lora:
             version = 0
             for repeat in range(repeats + 1):  # the first of each is a warm-up
-                for method in ("reload", "reload_cold", "transfer"):
+                for method in ("reload", "reload_cold", "transfer", "lora"):
                     version += 1
-                    nudge(model, version)
                     started = time.monotonic()
-                    if method == "transfer":
+                    if method == "lora":
+                        nudge_adapter(adapted, version)
+                        started = time.monotonic()
+                        await lora.publish_policy(version, adapter(adapted))
+                        report = lora.last_sync
+                    elif method == "transfer":
+                        nudge(model, version)
+                        started = time.monotonic()
                         await transfer.publish_policy(version, model)
                         report = transfer.last_sync
                     else:
+                        nudge(model, version)
+                        started = time.monotonic()
                         model.save_pretrained(weights, safe_serialization=True)
                         if method == "reload_cold":
                             drop_from_page_cache(weights)
@@ -126,7 +173,8 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
                     assert report is not None
                     if repeat:
                         runs[method].append((time.monotonic() - started,
-                                             report.paused_seconds))
+                                             report.paused_seconds, report.bytes_moved))
+            gaps["lora"] = largest_gap(server.url, adapted, f"policy-v{version}")
             gaps["transfer"] = largest_gap(server.url, model)
             nudge(model, 9999)
             model.save_pretrained(weights, safe_serialization=True)
@@ -162,6 +210,12 @@ def lines(result: dict[str, Any]) -> list[str]:
                      f"(paused {median(method, 1):.3f} s), transfer {transfer:.3f} s "
                      f"(paused {paused:.3f} s), ratio {reload / transfer:.2f}, paused ratio "
                      f"{paused / median(method, 1):.2f}")
+    if result["runs"].get("lora"):
+        lora = median("lora", 0)
+        found.append(f"weight sync: params {result['params'] / 1e6:.1f}M, lora {lora:.3f} s "
+                     f"({median('lora', 2) / 1e6:.2f} MB a sync, paused "
+                     f"{median('lora', 1):.3f} s), transfer {transfer:.3f} s "
+                     f"({median('transfer', 2) / 1e6:.1f} MB), ratio {transfer / lora:.2f}")
     split = result.get("server_finish") or []
     if split:
         found.append(f"  transfer apply on the server (median of {len(split)}): load_weights "

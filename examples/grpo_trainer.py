@@ -9,7 +9,9 @@ One step:
   4. optimizer step, then ``client.publish_policy``: with ``--weight-sync reload`` the
      weights are saved (safetensors, HF layout) and every vLLM server reloads them; with
      ``transfer`` they are sent through vLLM's weight-transfer API (``rollq_tcp`` on CPU
-     servers, ``nccl`` on GPUs); the run's policy version becomes the step;
+     servers, ``nccl`` on GPUs); with ``lora`` only a LoRA adapter trains (PEFT, rank
+     ``--lora-rank``) and every server loads each version at run time, nothing paused;
+     the run's policy version becomes the step;
   5. ``batch.ack()``: the groups are consumed; then, every ``--checkpoint-every`` steps, a
      checkpoint with the model, the optimizer and ``client.state()``.
 
@@ -17,6 +19,17 @@ Resume with ``--resume``: the model and optimizer come back from the checkpoint 
 ``client.load_state`` replays the groups acked after it, so every group is trained into
 the final weights exactly once. ``--flip-advantages`` is the control experiment: it trains
 against the signal, and the reward must not rise.
+
+``--is-correction tis|mis|geo`` corrects for the sampler not being the policy being trained
+(it is up to ``--max-staleness`` versions older, on another engine): each token's term is
+weighted by its importance ratio, truncated (``tis``, at ``--is-tis-cap``), masked outside
+``--is-token-mask`` (``mis``), or whole sequences masked when their geometric-mean ratio is
+outside ``--is-geo-mask`` (``geo``); ``consumers.trainer.correction`` has the math. A batch
+whose sampler logprobs cannot be compared with the trainer's (``processed_logprobs`` with
+top_p < 1, a logprobs mode nobody recorded) is refused: the trainer stops with exit 78,
+the batch stays pending. ``none`` (the default) keeps the sampler's logprobs as PPO's old
+policy. Every step logs ``is_ratio_mean``, ``is_filter_drop_frac`` and
+``staleness_histogram`` (trainable tokens by versions behind).
 
 ``--kl-coef β`` adds β·KL(policy ‖ reference) to the loss, the reference being a frozen copy
 of ``--model`` (the starting weights, also on resume): the k3 estimator
@@ -51,7 +64,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
-from rollq.schemas import BrokerUnavailable
+from rollq.consumers.trainer.correction import (
+    CORRECTION_METHODS,
+    IsCorrection,
+    check_logprobs,
+    importance_weights,
+    staleness_histogram,
+)
+from rollq.consumers.trainer.lora import LoraAdapter
+from rollq.schemas import BrokerUnavailable, ConfigError
 from rollq.schemas.heap import freeze_heap
 
 
@@ -80,14 +101,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "first steps move every weight by about lr) [0: none]")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
+    parser.add_argument("--is-correction", choices=CORRECTION_METHODS, default="none",
+                        help="off-policy correction: truncated IS, masked IS, geometric "
+                             "sequence masking [none]")
+    parser.add_argument("--is-tis-cap", type=float, default=2.0,
+                        help="tis: the largest token weight [2.0]")
+    parser.add_argument("--is-token-mask", type=float, nargs=2, default=(0.5, 2.0),
+                        metavar=("LOW", "HIGH"), help="mis: token ratios kept [0.5 2.0]")
+    parser.add_argument("--is-geo-mask", type=float, nargs=2, default=(0.99, 1.01),
+                        metavar=("LOW", "HIGH"),
+                        help="geo: sequence geometric-mean ratios kept [0.99 1.01]")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads (1 beside a CPU vLLM server) [torch's default]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward")
     parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--weight-sync", choices=("reload", "transfer"), default="reload",
+    parser.add_argument("--weight-sync", choices=("reload", "transfer", "lora"),
+                        default="reload",
                         help="reload: save to --out/weights and every server reloads it; "
-                             "transfer: send through vLLM's weight-transfer API [reload]")
+                             "transfer: send through vLLM's weight-transfer API; lora: "
+                             "train a LoRA adapter that every server loads at run time "
+                             "(vLLM --enable-lora; the peft extra) [reload]")
+    parser.add_argument("--lora-rank", type=int, default=8, help="lora: the adapter's rank [8]")
+    parser.add_argument("--lora-alpha", type=float, default=16.0,
+                        help="lora: its scale numerator (scale = alpha / rank) [16]")
     parser.add_argument("--transfer-backend",
                         help="the servers' --weight-transfer-config backend "
                              "[rollq_tcp on --device cpu, else nccl]")
@@ -115,14 +152,21 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
-              mask: torch.Tensor, clip: float,
-              per: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              mask: torch.Tensor, clip: float, per: float | None = None,
+              weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip objective with per-token advantages, averaged over trainable tokens
-    (``per``: divide the sum by this instead; examples/torchrun_trainer.py's ranks do)."""
-    ratio = torch.exp(logprobs - sampler_logprobs)
+    (``per``: divide the sum by this instead; examples/torchrun_trainer.py's ranks do).
+
+    ``weights``: an off-policy correction's token weights; the PPO ratio is then taken
+    against the policy before this step (``logprobs.detach()``), the sampler's part of it
+    being in the weights (decoupled PPO)."""
+    old = sampler_logprobs if weights is None else logprobs.detach()
+    ratio = torch.exp(logprobs - old)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - clip, 1 + clip) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        per_token = per_token * weights
     tokens = mask.sum().clamp(min=1)
     loss = (per_token * mask).sum() / (tokens if per is None else per)
     with torch.no_grad():
@@ -186,7 +230,7 @@ def sync_record(client: SyncTrainerClient) -> dict[str, Any]:
     if sync is None:
         return {}
     return {"weight_sync": sync.method, "sync_seconds": sync.seconds,
-            "paused_seconds": sync.paused_seconds}
+            "paused_seconds": sync.paused_seconds, "sync_aborted_requests": sync.aborted_requests}
 
 
 def sync_weights(client: SyncTrainerClient, step: int, model: Any, weights_dir: Path,
@@ -195,6 +239,12 @@ def sync_weights(client: SyncTrainerClient, step: int, model: Any, weights_dir: 
     if args.weight_sync == "reload":
         model.save_pretrained(weights_dir, safe_serialization=True)
         publish(client, step, weights_dir, args.sync_give_up_s)
+    elif args.weight_sync == "lora":  # the adapter's tensors only: megabytes, no pause
+        from peft import get_peft_model_state_dict
+
+        adapter = LoraAdapter(model.peft_config["default"].to_dict(),
+                              get_peft_model_state_dict(model))
+        publish(client, step, adapter, args.sync_give_up_s)
     else:
         publish(client, step, model, args.sync_give_up_s)
 
@@ -247,6 +297,9 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
 def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
              args: argparse.Namespace) -> dict[str, Any]:
     """One optimizer step on ``batch`` (the ``step``-th); its metrics record."""
+    correction = IsCorrection(args.is_correction, args.is_tis_cap, tuple(args.is_token_mask),
+                              tuple(args.is_geo_mask))
+    check_logprobs(batch.sampling, correction.method)  # ConfigError: the batch stays pending
     data = batch.targets()
     tensors = {name: torch.as_tensor(value, device=args.device) for name, value in {
         "input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -257,8 +310,12 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
         tensors["advantages"] = -tensors["advantages"]
     logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
                               tensors["labels"])
-    loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
-                            tensors["advantages"], tensors["mask"], args.clip)
+    weights, stats = importance_weights(logprobs, tensors["sampler_logprobs"], tensors["mask"],
+                                        correction)
+    loss, ppo = grpo_loss(logprobs, tensors["sampler_logprobs"], tensors["advantages"],
+                          tensors["mask"], args.clip,
+                          weights=None if correction.method == "none" else weights)
+    stats |= ppo
     if reference is not None:
         with torch.no_grad():
             reference_logprobs = token_logprobs(
@@ -277,6 +334,7 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
         "step": step, "loss": float(loss.detach()), "reward_mean": float(batch.rewards.mean()),
         "tokens": int(batch.loss_mask.sum()), "groups": len(batch.groups),
         "staleness": step - 1 - min(g.policy_version for g in batch.groups),
+        "staleness_histogram": staleness_histogram(data.versions, data.loss_mask, step - 1),
         "group_ids": batch.group_ids, "components": component_means(batch.groups), **stats,
     }
 
@@ -297,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokerUnavailable as exc:
         print(f"grpo_trainer: cannot reach Redis at {args.redis_url}: {exc}", file=sys.stderr)
         return 69
+    except ConfigError as exc:  # a batch the off-policy correction cannot use
+        print(f"grpo_trainer: {exc}", file=sys.stderr)
+        return 78
 
 
 def train(args: argparse.Namespace, stop: StopSignals) -> int:
@@ -307,17 +368,24 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     out.mkdir(parents=True, exist_ok=True)
     weights_dir, checkpoint = out / "weights", out / "checkpoint.pt"
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    if args.weight_sync == "lora":  # only the adapter trains (initialised as the base model)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                                 target_modules="all-linear"))
     model.to(args.device).train()
     reference = None
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
         reference.to(args.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
                                      max_staleness=args.max_staleness, inference_urls=urls,
                                      weight_sync=args.weight_sync, transfer_backend=backend,
+                                     lora_dir=str(out / "adapters"),
                                      wait_log_s=args.wait_log_s,
                                      redis_ca_file=args.redis_ca_file,
                                      redis_cert_file=args.redis_cert_file,

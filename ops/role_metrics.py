@@ -164,6 +164,10 @@ def trainer_metrics(client: TrainerClient) -> Register:
             metrics.add_counter("rollq_trainer_weight_sync_bytes", "Weight bytes the trainer "
                                 "sent to the servers, by method",
                                 lambda method=method: stats.sync_bytes[method], method=method)
+            metrics.add_histogram("rollq_trainer_weight_sync_aborted_requests", "Requests the "
+                                  "servers aborted during each weight sync, by method",
+                                  lambda method=method: stats.sync_aborts[method],
+                                  method=method)
 
     return register
 

@@ -229,6 +229,16 @@ class WorkerSettings(CommonSettings):
     """Largest encoded group a worker publishes (bytes: token arrays ~9 B per token, plus
     text and metadata; 64 MiB holds 16 x 256k tokens); a larger one is dead-lettered as
     ``entry_too_large`` instead of filling Redis' memory."""
+    logprobs_mode: Literal["auto", "raw_logprobs", "processed_logprobs", "raw_logits",
+                           "processed_logits"] = "auto"
+    """The servers' vLLM ``--logprobs-mode``, recorded with every completion. ``auto``: each
+    server says it (``GET /server_info``, once; vLLM answers only with
+    ``VLLM_SERVER_DEV_MODE=1``, else it is recorded as not known and a trainer's off-policy
+    correction refuses the group). Set it when the servers run without dev mode."""
+    lora_name: str = ""
+    """With a trainer on ``weight_sync='lora'``: its ``lora_name``. Each generation names the
+    adapter of the run's version, ``<lora_name>-v<version>`` (the base model at version 0),
+    and its tokens carry that version exactly. Empty: the model."""
 
 
     @field_validator("sampling_options")

@@ -280,6 +280,8 @@ def build_worker(
     result_ttl_s: float = 600.0,
     timeout_margin_s: float = TIMEOUT_MARGIN_S,
     max_entry_bytes: int | None = None,
+    logprobs_mode: str | None = None,
+    lora_name: str | None = None,
     redis_options: Mapping[str, Any] | None = None,
     transport: Any = None,
     name: str | None = None,
@@ -305,8 +307,10 @@ def build_worker(
         except BaseException:
             await redis.aclose()
             raise
+        versions = PolicyVersionSource(redis, run)
         pool = InferencePool(inference_urls, model=model or None, timeout_s=request_timeout_s,
-                             transport=transport)
+                             logprobs_mode=logprobs_mode, lora_name=lora_name or None,
+                             policy_version=versions, transport=transport)
         await pool.__aenter__()
         ctx.update(
             rollq_redis=redis,
@@ -318,7 +322,7 @@ def build_worker(
             rollq_on_refused=on_refused,
             runner=RolloutRunner(run=run, env=env_factory(), pool=pool, publisher=publisher,
                                  sampling=sampling, group_size=group_size,
-                                 versions=PolicyVersionSource(redis, run)),
+                                 versions=versions),
         )
         log.info("worker_started", run=run, concurrency=concurrency, servers=inference_urls)
         startup_done()

@@ -115,3 +115,34 @@ Floats = Annotated[Float32Array, _as_array(np.float32), PlainSerializer(_to_list
 """float32 values, one per token or per sequence."""
 Mask = Annotated[UInt8Array, _as_array(np.uint8), PlainSerializer(_to_list)]
 """uint8 0/1 mask, one per token."""
+
+
+ROUTED_DTYPES = ("uint8", "uint16", "int32")
+"""Dtypes routed-expert ids travel in: the narrowest that holds every expert id (vLLM
+writes uint8 up to 256 experts, uint16 above), or int32."""
+
+
+def _as_routed(value: Any) -> np.ndarray[Any, Any]:
+    """A frozen ``[positions, layers, top_k]`` array of expert ids in a ``ROUTED_DTYPES``
+    dtype (little-endian), as given: the dtype is part of what travels."""
+    array = np.asarray(value)
+    if array.dtype.kind not in "iu" or array.dtype.name not in ROUTED_DTYPES:
+        raise ValueError(f"routed experts must be {', '.join(ROUTED_DTYPES)}, got "
+                         f"{array.dtype.name}")
+    if array.ndim != 3:
+        raise ValueError(f"routed experts must be [positions, layers, top_k], got shape "
+                         f"{array.shape}")
+    array = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    if array.size and array.min() < 0:
+        raise ValueError("routed experts hold a negative expert id")
+    if array.flags.writeable:
+        if array is value or array.base is not None:
+            array = array.copy()
+        array.flags.writeable = False
+    return array
+
+
+RoutedExperts = Annotated[npt.NDArray[Any], PlainValidator(_as_routed),
+                          PlainSerializer(_to_list)]
+"""Expert ids ``[positions, layers, top_k]`` (uint8, uint16 or int32) a MoE server routed
+each position of a sequence to."""

@@ -65,6 +65,7 @@ from rollq.schemas.models import (
     StreamGroup,
     TrajectoryGroup,
     check_json,
+    check_routed_positions,
 )
 
 __all__ = [
@@ -117,6 +118,10 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
                 "messages": c.messages,
                 "turn_rewards": c.turn_rewards,
                 "info": c.info,
+                "sampling": None if c.sampling is None else c.sampling.model_dump(),
+                "routed_experts": None if c.routed_experts is None else {
+                    "dtype": c.routed_experts.dtype.name,
+                    "shape": list(c.routed_experts.shape)},
             }
             for c in completions
         ],
@@ -135,10 +140,15 @@ def _encode_trajectory(group: TrajectoryGroup, kind: bytes) -> Fields:
     })
     if any(c.token_versions is not None for c in completions):
         fields[b"token_versions"] = _pack([c.versions for c in completions], I32)
+    routed = [c.routed_experts for c in completions if c.routed_experts is not None]
+    if routed:  # each in its own dtype, in completion order; meta says dtype and shape
+        fields[b"routed_experts"] = b"".join(np.ascontiguousarray(a).data for a in routed)
     try:
         check_identity_values(group.policy_version,
                                [c.policy_version for c in completions])
         check_trajectory_values(fields, lengths.tolist(), None)
+        check_routed_positions(len(group.prompt_ids), lengths.tolist(),
+                               [c.routed_experts for c in completions])
         _check_written("meta", fields[b"meta"], meta)
     except (DecodeError, ValueError, TypeError) as exc:
         raise ContractError(f"cannot encode group {group.group_id[:80]!r}: {exc}") from None

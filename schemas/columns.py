@@ -21,6 +21,7 @@ from rollq.schemas.entry import split_at
 from rollq.schemas.models import (
     SCHEMA_VERSION,
     Completion,
+    SamplingRecord,
     ScoredGroup,
     SequenceScore,
     TrajectoryGroup,
@@ -46,6 +47,9 @@ class TrajectoryColumns:
     texts: list[str]
     meta: dict[str, Any]
     """The validated ``meta`` document; its ``completions`` list is one dict each."""
+    routed_experts: list[Any] | None = None
+    """Each completion's routed experts (``[positions, layers, top_k]`` views, or None);
+    None when the entry carries none (``Completion.routed_experts``)."""
     _group: TrajectoryGroup | None = field(default=None, repr=False)
 
     @property
@@ -68,6 +72,10 @@ class TrajectoryColumns:
         """The policy version each completion's generation started under."""
         return [info["policy_version"] for info in self.meta["completions"]]
 
+    def sampling(self) -> list[SamplingRecord | None]:
+        """How each completion was sampled (None where not recorded)."""
+        return [info["sampling"] for info in self.meta["completions"]]
+
     def group(self) -> TrajectoryGroup:
         """The ``TrajectoryGroup`` of these values (built once, then kept)."""
         if self._group is None:
@@ -84,11 +92,12 @@ class TrajectoryColumns:
             versions = split_at(self.token_versions, offsets)
         meta = dict(self.meta)
         infos = meta.pop("completions")
+        routed = self.routed_experts or [None] * len(self.lengths)
         completions = tuple(
             Completion.from_valid({
                 "completion_ids": ids[i], "logprobs": logprobs[i], "loss_mask": masks[i],
                 "token_versions": _if_changed(versions[i], info["policy_version"]),
-                "text": self.texts[i], **info})
+                "text": self.texts[i], **info, "routed_experts": routed[i]})
             for i, info in enumerate(infos)
         )
         return TrajectoryGroup.from_valid({

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypedDict  # pydantic needs this one on Python < 3.12
 
 from rollq.schemas.columns import ScoredColumns, TrajectoryColumns
@@ -27,6 +27,7 @@ from rollq.schemas.entry import (
     field_bytes,
     field_text,
     offsets_of,
+    routed_arrays,
     short_error,
     sized_array,
     whole_array,
@@ -62,9 +63,17 @@ def _meta_model(model: type[BaseModel], exclude: set[str], name: str,
 # against the models' own field types in one pydantic-core pass each; the arrays are typed
 # and sized by construction. The models are then assembled from those values without a
 # second validation (``from_valid``).
+class _RoutedLayout(TypedDict):
+    dtype: Literal["uint8", "uint16", "int32"]
+    shape: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)],
+                 Annotated[int, Field(ge=1)]]
+
+
 _CompletionMeta = _meta_model(
-    Completion, {"completion_ids", "logprobs", "loss_mask", "token_versions", "text"},
-    "CompletionMeta")
+    Completion,
+    {"completion_ids", "logprobs", "loss_mask", "token_versions", "text", "routed_experts"},
+    "CompletionMeta",
+    routed_experts=Annotated[_RoutedLayout | None, Field(default=None)])
 _TrajectoryMeta = _meta_model(
     TrajectoryGroup,
     {"v", "kind", "group_id", "run", "env", "policy_version", "prompt_ids", "completions"},
@@ -119,10 +128,12 @@ def _trajectory_columns(fields: Mapping[bytes, bytes], run: str | None,
     if run is not None and identity["run"] != run:
         raise DecodeError(f"field 'run' is {identity['run'][:80]!r}, but the entry is in a "
                           f"stream of run {run!r}")
+    routed = routed_arrays(fields, [info["routed_experts"] for info in meta["completions"]],
+                           len(prompt_ids), lengths)
     return TrajectoryColumns(
         identity=identity, prompt_ids=prompt_ids, lengths=lengths, offsets=offsets_of(lengths),
         completion_ids=all_ids, logprobs=all_logprobs, loss_mask=all_masks,
-        token_versions=all_versions, texts=texts, meta=meta)
+        token_versions=all_versions, texts=texts, meta=meta, routed_experts=routed)
 
 
 def _scored_columns(fields: Mapping[bytes, bytes],

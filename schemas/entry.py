@@ -17,14 +17,20 @@ import numpy as np
 
 from rollq.schemas.arrays import MAX_VERSION, check_values
 from rollq.schemas.errors import DecodeError, UnknownVersionError
-from rollq.schemas.models import SCHEMA_VERSION, check_tokens
+from rollq.schemas.models import (
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
+    check_routed_positions,
+    check_tokens,
+)
 
 Fields = dict[bytes, bytes]
 I32, F32, U8 = np.dtype("<i4"), np.dtype("<f4"), np.dtype("<u1")
 
 TRAJECTORY_FIELDS = frozenset({
     b"v", b"group_id", b"run", b"env", b"policy_version", b"meta", b"texts", b"text_lengths",
-    b"lengths", b"prompt_ids", b"completion_ids", b"logprobs", b"loss_mask", b"token_versions"})
+    b"lengths", b"prompt_ids", b"completion_ids", b"logprobs", b"loss_mask", b"token_versions",
+    b"routed_experts"})
 """The fields of a trajectory: what a join copies from a traj entry."""
 IDENTITY_NAMES = ("group_id", "run", "env", "policy_version")
 """A group's identity fields: plain ASCII/UTF-8 in every group entry, traj and scored."""
@@ -125,13 +131,17 @@ def field_text(fields: Mapping[bytes, bytes], name: bytes) -> str:
         raise DecodeError(f"field {name.decode()!r} is not UTF-8") from None
 
 
+_READABLE = frozenset(str(v).encode() for v in READABLE_VERSIONS)
+
+
 def check_version(fields: Mapping[bytes, bytes]) -> None:
-    """Raise unless the entry carries this code's schema version."""
+    """Raise unless the entry carries a schema version this code reads (``READABLE_VERSIONS``:
+    version 1 is version 2 without its optional fields)."""
     version = field_bytes(fields, b"v")
-    if version != str(SCHEMA_VERSION).encode():
+    if version not in _READABLE:
         raise UnknownVersionError(
-            f"unknown schema version {version[:16]!r} (this code reads v={SCHEMA_VERSION})"
-        )
+            f"unknown schema version {version[:16]!r} (this code reads v="
+            f"{', '.join(map(str, READABLE_VERSIONS))}; it writes v={SCHEMA_VERSION})")
 
 
 def split_at(array: Any, offsets: list[int]) -> list[Any]:
@@ -159,3 +169,40 @@ def completion_texts(fields: Mapping[bytes, bytes], count: int) -> list[str]:
 def short_error(exc: Exception) -> str:
     text = str(exc).replace("\n", " ")
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def routed_arrays(fields: Mapping[bytes, bytes], layouts: list[Any], prompt_length: int,
+                  lengths: list[int]) -> list[Any] | None:
+    """Each completion's routed experts (a read-only ``[positions, layers, top_k]`` view of
+    the ``routed_experts`` field, or None), cut by the dtypes and shapes ``meta`` gives;
+    None when no completion has them. DecodeError when the bytes and the layouts disagree."""
+    if all(layout is None for layout in layouts):
+        if b"routed_experts" in fields:
+            raise DecodeError("field 'routed_experts' is present but meta gives no layout")
+        return None
+    raw = field_bytes(fields, b"routed_experts")
+    arrays: list[Any] = []
+    offset = 0
+    for index, layout in enumerate(layouts):
+        if layout is None:
+            arrays.append(None)
+            continue
+        dtype = np.dtype(layout["dtype"]).newbyteorder("<")
+        shape = tuple(layout["shape"])
+        size = int(np.prod(shape)) * dtype.itemsize
+        if offset + size > len(raw):
+            raise DecodeError(f"field 'routed_experts' has {len(raw)} bytes, too few for the "
+                              f"layouts in meta (completion {index})")
+        arrays.append(np.frombuffer(raw, dtype, int(np.prod(shape)), offset).reshape(shape))
+        offset += size
+    if offset != len(raw):
+        raise DecodeError(f"field 'routed_experts' has {len(raw)} bytes, the layouts in meta "
+                          f"{offset}")
+    try:
+        check_routed_positions(prompt_length, lengths, arrays)
+        for array in arrays:
+            if array is not None and array.size and array.min() < 0:
+                raise ValueError("field 'routed_experts' holds a negative expert id")
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+    return arrays

@@ -150,3 +150,15 @@ HEALTH_KEY = "workers:health:"
 ``HEALTH_INTERVAL_S`` and expiring a second later (``producers.worker`` writes them,
 ``ops.health`` reads them)."""
 HEALTH_INTERVAL_S = 10
+
+
+def adapter_name(prefix: str, version: int) -> str:
+    """The LoRA adapter name policy version ``version`` is served under with
+    ``weight_sync='lora'``: ``<prefix>-v<version>`` (the trainer loads it, workers name it)."""
+    return f"{prefix}-v{version}"
+
+
+def adapter_version(prefix: str, name: str) -> int | None:
+    """The version an adapter name of ``prefix`` carries (None: not one of ours)."""
+    found = re.fullmatch(re.escape(prefix) + r"-v([0-9]+)", name)
+    return int(found.group(1)) if found else None

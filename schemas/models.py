@@ -23,12 +23,24 @@ from typing import Annotated, Any, Literal, Self
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollq.schemas.arrays import MAX_VERSION, Floats, Mask, TokenIds, check_values
+from rollq.schemas.arrays import (
+    MAX_VERSION,
+    Floats,
+    Mask,
+    RoutedExperts,
+    TokenIds,
+    check_values,
+)
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
-SCHEMA_VERSION = 1
-"""Version written into every entry's ``v`` field. Bump on any incompatible change."""
+SCHEMA_VERSION: Literal[2] = 2
+"""Version written into every entry's ``v`` field. Bump on any incompatible change.
+
+2 added, per completion, ``sampling`` (``SamplingRecord``) and ``routed_experts``; both are
+optional, so a version-1 entry decodes as one without them."""
+READABLE_VERSIONS = (1, 2)
+"""The versions ``decode`` reads; anything else is ``UnknownVersionError``."""
 
 
 _JSON_INTS = (-(2**63), 2**64 - 1)  # what orjson reads and writes
@@ -50,6 +62,22 @@ def check_tokens(*, completion_ids: Any, logprobs: Any, loss_mask: Any,
     check_values(label.format("loss_mask"), loss_mask, high=1)
     if token_versions is not None:
         check_values(label.format("token_versions"), token_versions, low=0, high=MAX_VERSION)
+
+
+def check_routed_positions(prompt_length: int, lengths: list[int], routed: list[Any]) -> None:
+    """Raise ValueError unless each completion's routed experts (where present) cover its
+    ``prompt + completion - 1`` positions, and all share one layer count and top-k."""
+    shapes = set()
+    for index, (length, experts) in enumerate(zip(lengths, routed, strict=True)):
+        if experts is None:
+            continue
+        positions = prompt_length + length - 1
+        if experts.shape[0] != positions:
+            raise ValueError(f"completions[{index}].routed_experts has {experts.shape[0]} "
+                             f"positions, the sequence {positions} (prompt + completion - 1)")
+        shapes.add(experts.shape[1:])
+    if len(shapes) > 1:
+        raise ValueError(f"routed experts of one group differ in [layers, top_k]: {shapes}")
 
 
 def check_json(name: str, value: Any) -> None:
@@ -101,6 +129,33 @@ class _Frozen(BaseModel):
         return instance
 
 
+class SamplingRecord(_Frozen):
+    """How the server sampled one completion, as the worker asked for it and as the server
+    says it reports logprobs. None means not known: a field the request did not send (the
+    server's default applied, which a model's ``generation_config.json`` may set), or a
+    server that does not say its logprobs mode.
+
+    A trainer reads it to know what ``Completion.logprobs`` are (off-policy correction:
+    ``consumers.trainer.correction``)."""
+
+    temperature: FiniteFloat | None = None
+    """Softmax temperature sent (1.0: the policy itself)."""
+    top_p: FiniteFloat | None = None
+    """Nucleus mass sent (1.0: off)."""
+    top_k: int | None = None
+    """Top-k sent (-1 or 0: off, vLLM's convention)."""
+    min_p: FiniteFloat | None = None
+    """Min-p sent (0.0: off)."""
+    logprobs_mode: str | None = None
+    """The server's ``--logprobs-mode`` (vLLM): ``raw_logprobs`` (its default: the model's
+    log-softmax, before temperature and top-k/top-p, so an unchanged policy reads ratio 1),
+    ``processed_logprobs`` (after them: with top_p < 1 an unchanged policy reads the kept
+    mass, not 1), ``raw_logits`` or ``processed_logits`` (logits, not logprobs)."""
+    model: str | None = None
+    """The model name the request was served under (``--served-model-name``, or a LoRA
+    adapter's name, which names the policy version with ``weight_sync='lora'``)."""
+
+
 class Completion(_Frozen):
     """One sampled sequence of a group.
 
@@ -131,6 +186,15 @@ class Completion(_Frozen):
     """Rewards the env gave after each model turn (multi-turn envs)."""
     info: dict[str, Any] = Field(default_factory=dict)
     """Free-form env information about this sequence (JSON-serialisable)."""
+    sampling: SamplingRecord | None = None
+    """How the server sampled this sequence (its first model turn's request); None where
+    the producer did not record it (and in entries of schema version 1)."""
+    routed_experts: RoutedExperts | None = None
+    """Routing replay for MoE policies: the experts the server routed each position of
+    ``prompt_ids + completion_ids`` to, ``[positions, layers, top_k]`` with ``positions =
+    len(prompt_ids) + len(completion_ids) - 1`` (the last token was sampled, never
+    forwarded), uint8/uint16/int32. Off by default (workers' ``routed_experts`` setting);
+    row ``t`` is the routing of the forward pass that predicted token ``t + 1``."""
 
     @model_validator(mode="after")
     def _check_arrays(self) -> Completion:
@@ -158,7 +222,7 @@ class Completion(_Frozen):
 class TrajectoryGroup(_Frozen):
     """A prompt and its N completions, as an env worker publishes it on ``traj``."""
 
-    v: Literal[1] = 1
+    v: Literal[1, 2] = SCHEMA_VERSION
     kind: Literal["traj"] = "traj"
     group_id: str = Field(min_length=1)
     """Globally unique and stable: a re-run of the same job publishes the same id."""
@@ -181,6 +245,9 @@ class TrajectoryGroup(_Frozen):
     @model_validator(mode="after")
     def _check_values(self) -> TrajectoryGroup:
         check_values("prompt_ids", self.prompt_ids, low=0)
+        check_routed_positions(len(self.prompt_ids),
+                               [len(c.completion_ids) for c in self.completions],
+                               [c.routed_experts for c in self.completions])
         check_json("prompt_messages", self.prompt_messages)
         check_json("metadata", self.metadata)
         return self
@@ -218,7 +285,7 @@ class SequenceScore(_Frozen):
 class ScoredGroup(_Frozen):
     """A trajectory group with its rewards and advantages, as scorers publish it on ``scored``."""
 
-    v: Literal[1] = 1
+    v: Literal[1, 2] = SCHEMA_VERSION
     kind: Literal["scored"] = "scored"
     trajectory: TrajectoryGroup
     scores: tuple[SequenceScore, ...]
@@ -257,7 +324,7 @@ class ScoredGroup(_Frozen):
 class DeadLetter(_Frozen):
     """An entry that could not be processed, with why and its original fields, byte for byte."""
 
-    v: Literal[1] = 1
+    v: Literal[1, 2] = SCHEMA_VERSION
     kind: Literal["dead"] = "dead"
     reason: str
     """Machine-friendly reason slug, e.g. ``decode_error``, ``max_deliveries``."""

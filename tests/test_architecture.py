@@ -230,6 +230,7 @@ def test_schemas_public_surface_is_pinned() -> None:
 
     assert sorted(schemas.__all__) == sorted([
         "SCHEMA_VERSION", "BrokerUnavailable", "Completion", "ConfigError", "ContractError",
+        "SamplingRecord",
         "DeadLetter", "DecodeError", "Fields", "InferenceUnavailable", "StreamGroup",
         "RewardError", "RollqError", "ScoredGroup", "SequenceScore", "TrajectoryGroup",
         "TransientError", "UnknownVersionError", "broadcast", "decode", "decode_dead",

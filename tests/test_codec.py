@@ -74,7 +74,7 @@ def test_token_arrays_are_little_endian_binary() -> None:
     ids = np.concatenate([c.completion_ids for c in group.completions])
     assert fields[b"completion_ids"] == ids.astype("<i4").tobytes()
     assert fields[b"lengths"] == np.array([3, 3], "<i4").tobytes()
-    assert fields[b"v"] == b"1" and fields[b"kind"] == b"traj"
+    assert fields[b"v"] == b"2" and fields[b"kind"] == b"traj"
 
 
 def test_decoded_arrays_are_read_only_views() -> None:

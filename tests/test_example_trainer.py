@@ -110,3 +110,45 @@ def test_the_learning_rate_warms_up_linearly_then_stays() -> None:
             pytest.approx([1e-4, 5e-4, 1e-3, 1e-3, 1e-3]))
         flat = trainer.parse_args(common)
         assert grpo_trainer.learning_rate(flat, 1) == 1e-3
+
+
+def test_a_batch_the_correction_cannot_use_is_refused_before_any_step(tiny_model: Path) -> None:
+    """``--is-correction`` on groups sampled with processed logprobs at top_p 0.9: their
+    ratio would read the kept mass, not 1 (issue 44); the step refuses the batch, naming
+    why, before the model moves (the trainer exits 78, the batch stays pending)."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollq.consumers.trainer.batch import BatchData
+    from rollq.consumers.trainer.layout import PaddedArrays, pad_groups
+    from rollq.schemas import Completion, ConfigError, TrajectoryGroup
+    from rollq.schemas.models import SamplingRecord
+    from tests.factories import score
+
+    spec = importlib.util.spec_from_file_location("grpo_trainer_refusal", TRAINER)
+    assert spec is not None and spec.loader is not None
+    trainer = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = trainer
+    spec.loader.exec_module(trainer)
+    record = SamplingRecord(temperature=1.0, top_p=0.9, top_k=-1, min_p=0.0,
+                            logprobs_mode="processed_logprobs", model="rollq-tiny")
+    group = make_group(run=RUN, vocab=700)
+    group = TrajectoryGroup(**{**group.model_dump(), "completions": tuple(
+        Completion(**{**c.model_dump(), "sampling": record}) for c in group.completions)})
+    padded = pad_groups([score(group)])
+    batch = BatchData(**{name: getattr(padded, name) for name in PaddedArrays.__dataclass_fields__},
+                      sources=(score(group),), entries=())
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    refuse = trainer.parse_args(["--model", str(tiny_model), "--out", "unused",
+                                 "--is-correction", "tis"])
+    with pytest.raises(ConfigError, match=r"tis cannot use this batch: .*top_p=0\.9"):
+        trainer.train_on(batch, 1, model, None, optimizer, refuse)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # without a correction there is nothing to refuse: the step runs
+    trainer.train_on(batch, 1, model, None, optimizer, trainer.parse_args([
+        "--model", str(tiny_model), "--out", "unused", "--is-correction", "none"]))
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -145,7 +145,7 @@ def _traj_kinds() -> dict[str, TrajKind]:
             [-1] * len(_lengths(f)), "<i4").tobytes()},
         "texts_not_utf8": lambda r, f: {**f, b"texts": b"\xff" + f[b"texts"][1:]}
         if f[b"texts"] else {**f, b"texts": b"\xff"},
-        "unknown_version": lambda r, f: {**f, b"v": [b"0", b"2", b"99", b"", b"1.0", b"v1",
+        "unknown_version": lambda r, f: {**f, b"v": [b"0", b"3", b"99", b"", b"1.0", b"v1",
                                                      b"\x01"][int(r.integers(7))]},
         "unknown_kind": lambda r, f: {**f, b"kind": [b"", b"dead", b"TRAJ", b"\xff",
                                                      b"group"][int(r.integers(5))]},
@@ -274,7 +274,7 @@ def _scored_kinds(traj_kinds: dict[str, TrajKind]) -> dict[str, ScoredKind]:
             1, 10**9))).encode()},
         "ref_to_another_group": lambda r, f, i, o: {**f, b"traj": o.encode()},
         "foreign_run": lambda r, f, i, o: {**f, b"run": b"elsewhere"},
-        "unknown_version": lambda r, f, i, o: {**f, b"v": [b"2", b"0", b""][int(r.integers(3))]},
+        "unknown_version": lambda r, f, i, o: {**f, b"v": [b"3", b"0", b""][int(r.integers(3))]},
         "traj_kind_with_ref": lambda r, f, i, o: {**f, b"kind": b"traj"},
         "missing_rewards": lambda r, f, i, o: {k: v for k, v in f.items() if k != b"rewards"},
         "missing_score_meta": lambda r, f, i, o: {k: v for k, v in f.items()

@@ -21,6 +21,8 @@ from rollq.consumers.trainer.layout import (
     pad_groups,
 )
 from rollq.schemas import ScoredGroup
+from rollq.schemas.columns import ScoredColumns
+from rollq.schemas.models import SamplingRecord
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,29 @@ class BatchData(PaddedArrays):
         checked when the entries were decoded; a training step that uses only the arrays
         never pays for them."""
         return tuple(g if isinstance(g, ScoredGroup) else g.group() for g in self.sources)
+
+    @property
+    def sampling(self) -> tuple[SamplingRecord | None, ...]:
+        """How each sequence was sampled (temperature, top_p, top_k, min_p, the server's
+        logprobs mode, the model served), in sequence order; None where the producer did
+        not record it. ``consumers.trainer.correction`` reads it."""
+        return tuple(record for source in self.sources for record in (
+            source.trajectory.sampling() if isinstance(source, ScoredColumns)
+            else [c.sampling for c in source.trajectory.completions]))
+
+    @property
+    def routed_experts(self) -> tuple[Any, ...]:
+        """Routing replay: per sequence, the experts the MoE sampler routed each position to,
+        ``[length - 1, layers, top_k]`` (position ``t`` of ``input_ids[i]``: the forward
+        that predicted token ``t + 1``), or None where the entry carries none (off by
+        default: the workers' ``routed_experts`` setting)."""
+        found: list[Any] = []
+        for source in self.sources:
+            if isinstance(source, ScoredColumns):
+                found += source.trajectory.routed_experts or [None] * source.num_sequences
+            else:
+                found += [c.routed_experts for c in source.trajectory.completions]
+        return tuple(found)
 
     @property
     def group_ids(self) -> list[str]:

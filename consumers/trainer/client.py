@@ -37,6 +37,7 @@ from rollq.consumers.trainer.holdings import HeldGroup, Holdings
 from rollq.consumers.trainer.intake import admit, drop_stale, reject
 from rollq.consumers.trainer.layout import pad_groups
 from rollq.consumers.trainer.ledger import Ledger, TrainedEntry, check_consumer_name
+from rollq.consumers.trainer.lora import LoraSync
 from rollq.consumers.trainer.prefetch import PREFETCH_POLL_S, Prefetch, Prefetcher, PreparedBatch
 from rollq.consumers.trainer.resume import STATE_FORMAT, groups_to_replay
 from rollq.consumers.trainer.settings import TrainerClientSettings
@@ -87,7 +88,10 @@ class TrainerClient:
                                           transfer_host=s.transfer_host,
                                           transfer_port=s.transfer_port,
                                           transfer_chunk_bytes=s.transfer_chunk_bytes,
-                                          workers_per_server=s.transfer_workers_per_server)
+                                          workers_per_server=s.transfer_workers_per_server,
+                                          lora=LoraSync(prefix=s.lora_name,
+                                                        keep=max(1, s.max_staleness or 1),
+                                                        lora_dir=s.lora_dir))
         self._reader: StreamReader | None = None
         self._books = Holdings()
         self._version: int | None = None  # own published (or resumed) version
@@ -380,6 +384,9 @@ class TrainerClient:
           (iterated once per sync), sent through vLLM's weight-transfer API.
         - ``external``: a callable (sync or async) that moves the weights itself while the
           servers are paused, or None when nothing needs moving.
+        - ``lora``: a PEFT adapter directory the servers can read, or a ``LoraAdapter``
+          (``consumers.trainer.lora``); every server loads it as ``<lora_name>-v<step>``
+          while it serves, nothing pauses; older versions are unloaded.
 
         Then the run's ``policy_version`` is raised to ``step`` (never lowered) so the feeder
         admits new work; for transfer and external before any server resumes. If any server

@@ -11,7 +11,7 @@ from rollq.consumers.bus import ReaderSettings
 from rollq.schemas.tls import RedisTls
 
 PauseMode = Literal["keep", "wait", "abort"]
-WeightSyncMethod = Literal["reload", "transfer", "external"]
+WeightSyncMethod = Literal["reload", "transfer", "external", "lora"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,15 @@ class TrainerClientSettings:
     can read, each reloads it from disk; ``transfer`` — ``weights`` is the model (or its
     ``(name, tensor)`` pairs), sent through vLLM's weight-transfer API on
     ``transfer_backend``; ``external`` — the trainer moves the weights itself, ``weights``
-    is the callable that does it while the servers are paused (or None)."""
+    is the callable that does it while the servers are paused (or None); ``lora`` — the
+    trainer trains a LoRA adapter, ``weights`` is its PEFT directory (one every server can
+    read) or a ``LoraAdapter`` (written under ``lora_dir``), loaded by every server at run
+    time as ``<lora_name>-v<step>``: nothing pauses (``consumers.trainer.lora``)."""
+    lora_name: str = "policy"
+    """``lora``: the adapters' name prefix; the workers' ``lora_name`` must be the same."""
+    lora_dir: str | None = None
+    """``lora``: where a ``LoraAdapter`` is written, one directory per version (one every
+    server can read: a shared or local disk); versions unloaded are deleted from it."""
     transfer_backend: str = "nccl"
     """vLLM weight-transfer backend for ``transfer``; the servers must run with the same
     ``--weight-transfer-config '{"backend": ...}'``: ``nccl`` (GPUs; vllm installed in the
@@ -154,9 +162,12 @@ class TrainerClientSettings:
             raise ValueError(f"vocab_size must be at least 1 or None, got {self.vocab_size}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 or None, got {self.max_staleness}")
-        if self.weight_sync not in ("reload", "transfer", "external"):
-            raise ValueError(f"weight_sync must be reload, transfer or external, got "
+        if self.weight_sync not in ("reload", "transfer", "external", "lora"):
+            raise ValueError(f"weight_sync must be reload, transfer, external or lora, got "
                              f"{self.weight_sync!r}")
+        if not self.lora_name or "/" in self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty name without '/', got "
+                             f"{self.lora_name!r}")
         if not 0 <= self.transfer_port < 65536:
             raise ValueError(f"transfer_port must be in [0, 65535], got {self.transfer_port}")
         if self.dedup_window_s <= 0:

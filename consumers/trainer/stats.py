@@ -17,7 +17,9 @@ from rollq.schemas.stats import VERSION_BOUNDS, Histogram
 if TYPE_CHECKING:
     from rollq.consumers.trainer.weights import SyncReport
 
-SYNC_METHODS = ("reload", "transfer", "external")
+SYNC_METHODS = ("reload", "transfer", "external", "lora")
+ABORT_BOUNDS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+"""Buckets for requests aborted by one weight sync."""
 
 
 class TrainerStats:
@@ -45,6 +47,8 @@ class TrainerStats:
         """Per method: how long generation was paused by each successful sync."""
         self.sync_bytes = dict.fromkeys(SYNC_METHODS, 0)
         """Per method: weight bytes the trainer sent (transfer)."""
+        self.sync_aborts = {method: Histogram(ABORT_BOUNDS) for method in SYNC_METHODS}
+        """Per method: requests the servers aborted during each sync (where they said)."""
         # a batch's entries (the sync facade acks a copy of the batch) -> (handed, version)
         self._handed: dict[Hashable, tuple[float, int]] = {}
 
@@ -75,3 +79,5 @@ class TrainerStats:
         self.sync_seconds[method].observe(report.seconds)
         self.paused_seconds[method].observe(report.paused_seconds)
         self.sync_bytes[method] += report.bytes_moved
+        if report.aborted_requests is not None:
+            self.sync_aborts[method].observe(report.aborted_requests)

@@ -43,6 +43,7 @@ in-place update is finished.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import os
 import time
@@ -54,6 +55,7 @@ from typing import Any
 import httpx
 
 from rollq.consumers.trainer.errors import WeightSyncError
+from rollq.consumers.trainer.lora import LoraSync
 from rollq.consumers.trainer.settings import PauseMode, WeightSyncMethod
 from rollq.consumers.trainer.transfer import (
     BACKEND_TCP,
@@ -75,7 +77,14 @@ class SyncReport:
     paused_seconds: float
     """From the last pause answered to the first resume sent: generation stopped."""
     bytes_moved: int
-    """Weight bytes the trainer sent (transfer); 0 for reload and external."""
+    """Weight bytes the trainer sent (transfer), or of the adapter each server read (lora);
+    0 for reload and external."""
+    aborted_requests: int | None = None
+    """Requests the servers finished as aborted while the sync ran (vLLM's
+    ``vllm:request_success_total{finished_reason="abort"}``, read from each server's
+    ``/metrics`` before and after): 0 with ``pause_mode='keep'``, ``wait`` and ``lora``;
+    None where a server's ``/metrics`` could not be read. A client that gave up on a request
+    in that window counts too."""
 
 
 class _StepFailed(Exception):
@@ -101,6 +110,7 @@ class PolicyPublisher:
         transfer_chunk_bytes: int = 256 * 1024 * 1024,
         workers_per_server: int = 1,
         sync_transport: httpx.BaseTransport | None = None,
+        lora: LoraSync | None = None,
     ) -> None:
         self.urls = [url.rstrip("/") for url in urls]
         self.pause_mode = pause_mode
@@ -119,6 +129,8 @@ class PolicyPublisher:
         self._synced: str | None = None  # the version the last sync left on every server
         self.reinits = 0
         """How often the transfer engine was (re)initialised."""
+        self.lora = lora or LoraSync(prefix="policy", keep=1, lora_dir=None)
+        """The ``lora`` method's settings and work (``consumers.trainer.lora``)."""
 
     async def __aenter__(self) -> PolicyPublisher:
         self._http = httpx.AsyncClient(transport=self._transport, timeout=self.timeout_s)
@@ -148,7 +160,33 @@ class PolicyPublisher:
         """Serve ``weights`` as version ``step`` by ``method`` (``TrainerClient.publish_policy``
         says what ``weights`` is for each); ``on_updated`` raises the run's version once every
         server holds the new weights. TypeError for weights of the wrong kind, before
-        anything pauses; WeightSyncError when a server (or the trainer's side) fails."""
+        anything pauses; WeightSyncError when a server (or the trainer's side) fails. The
+        report counts the requests the servers aborted meanwhile (``aborted_requests``)."""
+        before = await self._aborted()
+        report = await self._publish_weights(method, step, weights, on_updated)
+        after = await self._aborted()
+        if before is None or after is None:
+            return report
+        return dataclasses.replace(report, aborted_requests=after - before)
+
+    async def _aborted(self) -> int | None:
+        """Requests every server has finished as aborted so far; None if one cannot say."""
+        assert self._http is not None
+
+        async def one(url: str) -> int | None:
+            try:
+                response = await self._http.get(url + "/metrics")  # type: ignore[union-attr]
+            except httpx.HTTPError:
+                return None
+            return aborted_count(response.text) if response.is_success else None
+
+        counts = await asyncio.gather(*(one(url) for url in self.urls))
+        return None if None in counts else sum(c for c in counts if c is not None)
+
+    async def _publish_weights(self, method: WeightSyncMethod, step: int, weights: Any,
+                               on_updated: Callable[[], Awaitable[object]]) -> SyncReport:
+        if self._http is None:
+            raise RuntimeError("PolicyPublisher used outside `async with`")
         if method == "reload":
             if not isinstance(weights, (str, os.PathLike)):
                 raise TypeError("weight_sync='reload' publishes a weights directory, got "
@@ -159,6 +197,10 @@ class PolicyPublisher:
             seconds = time.monotonic() - started
             await on_updated()
             return SyncReport("reload", seconds, seconds, 0)
+        if method == "lora":
+            seconds, size = await self.lora.sync(self._http, self.urls, step, weights,
+                                                 on_updated)
+            return SyncReport("lora", seconds, 0.0, size)
         if method == "transfer" and (weights is None or isinstance(weights, (str, os.PathLike))):
             raise TypeError("weight_sync='transfer' sends the model (or its (name, tensor) "
                             f"pairs), got {weights!r}; set weight_sync='reload' to publish "
@@ -364,6 +406,17 @@ class PolicyPublisher:
             raise _StepFailed(step, f"HTTP {response.status_code}: {_message(response)}")
         if _body(response).get("success") is False:
             raise _StepFailed(step, f"server answered success=false: {response.text[:200]}")
+
+
+def aborted_count(exposition: str) -> int | None:
+    """The requests a vLLM server finished as aborted, from its Prometheus ``/metrics``
+    text (summed over its engines); None when it exposes no such counter."""
+    total, found = 0.0, False
+    for line in exposition.splitlines():
+        if line.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    return int(total) if found else None
 
 
 def _failures(exc: Exception) -> dict[str, str]:

@@ -352,8 +352,8 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
         python, "-m", "rollq", "workers", "--env", task_env, *env_options,
         "--inference", inference,
         "--group-size", str(options.group_size), "--max-tokens", str(options.max_tokens),
-        "--temperature", str(options.temperature),
-        "--concurrency", str(options.batch_groups)], env)
+        "--temperature", str(options.temperature), "--concurrency", str(options.batch_groups),
+        *(["--lora-name", "policy"] if options.weight_sync == "lora" else [])], env)
     processes.start("feeder", [
         python, "-m", "rollq", "feed", "--env", task_env, "--epochs", "100000",
         "--max-staleness", str(options.max_staleness),

@@ -13,7 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -100,8 +100,11 @@ class VllmProcess:
     def __init__(self, python: str, model_dir: Path, log_path: Path, *,
                  served_name: str = "rollq-tiny", port: int | None = None,
                  max_model_len: int = 512, compile_cache: Path | None = None,
-                 weight_transfer: str | None = None, extra_args: Sequence[str] = ()) -> None:
+                 weight_transfer: str | None = None, extra_args: Sequence[str] = (),
+                 environment: Mapping[str, str] | None = None) -> None:
         self.python = python
+        self.environment = dict(environment or {})
+        """More environment variables for the server (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``…)."""
         self.weight_transfer = weight_transfer
         """A weight-transfer backend to serve with (``rollq_tcp``: rollq's CPU plugin)."""
         self.extra_args = list(extra_args)
@@ -124,6 +127,7 @@ class VllmProcess:
             "VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
             "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # enables /collective_rpc, /pause, /resume
+            **self.environment,
         }
         if self.compile_cache is not None:
             environment["TORCHINDUCTOR_CACHE_DIR"] = str(self.compile_cache)

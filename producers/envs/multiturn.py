@@ -60,7 +60,7 @@ from rollq.producers.envs.observations import (
     observation_text,
 )
 from rollq.producers.inference import InferencePool, MessageDict, PromptTooLongError, SamplingParams
-from rollq.schemas import Completion, ConfigError, ContractError
+from rollq.schemas import Completion, ConfigError, ContractError, SamplingRecord
 
 StepResult = tuple[Observation, float, bool, bool, dict[str, Any]]
 """``(observation, reward, terminated, truncated, info)``, as in gymnasium."""
@@ -158,6 +158,7 @@ class EpisodeRunner:
         texts: list[str] = []
         finish_reason, stop, turns = "", "max_turns", 0
         info: dict[str, Any] = {}
+        sampled: SamplingRecord | None = None  # the first turn's (they share their settings)
         for turn in range(self.max_turns):
             room = [r for r in (None if budget is None else budget - len(ids),
                                 sampling.max_tokens) if r is not None]
@@ -174,6 +175,7 @@ class EpisodeRunner:
                 stop = "max_tokens"
                 break
             turns += 1
+            sampled = sampled or sample.sampling
             ids += sample.completion_ids
             logprobs += sample.logprobs
             mask += [1] * len(sample.completion_ids)
@@ -211,7 +213,7 @@ class EpisodeRunner:
             policy_version=versions[0],
             token_versions=versions if len(set(versions)) > 1 else None,
             finish_reason=finish_reason, text="\n".join(texts), messages=messages,
-            turn_rewards=rewards,
+            turn_rewards=rewards, sampling=sampled,
             info={"turns": turns, "stop": stop, "env_info": info,
                   "env_return": sum(rewards)},
         )

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollq.schemas import Completion
+from rollq.schemas.models import SamplingRecord
 
 
 class SamplingParams(BaseModel):
@@ -50,6 +51,21 @@ class SamplingParams(BaseModel):
         body.update(self.extra)
         return body
 
+    def record(self, *, model: str, logprobs_mode: str | None) -> SamplingRecord:
+        """What a request with these settings tells about its sampling (the wire's
+        ``SamplingRecord``): the values the body sends (``extra`` included), None for what
+        it leaves to the server."""
+        body = self.body()
+
+        def number(name: str) -> Any:
+            value = body.get(name)
+            return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+        top_k = number("top_k")
+        return SamplingRecord(temperature=number("temperature"), top_p=number("top_p"),
+                              top_k=int(top_k) if top_k is not None else None,
+                              min_p=number("min_p"), logprobs_mode=logprobs_mode, model=model)
+
     def with_max_tokens(self, max_tokens: int) -> SamplingParams:
         """A copy with ``max_tokens`` set (the multi-turn bridge's per-turn budget)."""
         return self.model_copy(update={"max_tokens": max_tokens})
@@ -79,6 +95,13 @@ class Choice:
     """Which weights sampled which tokens, as the server labelled them (vLLM's generate API
     only: ``/inference/v1/generate`` on a server started with ``--enable-scale-out``).
     None where the server does not say (``/v1/completions``, chat)."""
+    sampling: SamplingRecord | None = None
+    """How the server sampled it: what the request sent, the server's logprobs mode and
+    the model named (``InferenceServer`` fills it in)."""
+    routed_experts: Any = None
+    """The experts a MoE server routed each position of ``prompt_ids + completion_ids``
+    (but the last) to, ``[positions, layers, top_k]``; None unless the server runs with
+    ``--enable-return-routed-experts``."""
 
     def versions(self, read_version: int) -> list[int]:
         """The policy version of each generated token.
@@ -110,6 +133,8 @@ class Choice:
             finish_reason=self.finish_reason,
             text=self.text,
             reasoning=self.reasoning,
+            sampling=self.sampling,
+            routed_experts=self.routed_experts,
             **fields,
         )
 

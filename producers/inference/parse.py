@@ -13,13 +13,20 @@ Shapes are those of vLLM 0.32 (see ``tests/fixtures/vllm``):
   ``output_mode: "text"``: per choice ``token_ids``, ``text``, ``logprobs.content[i].logprob``
   and ``weight_versions`` (spans of output tokens per weight label); no prompt ids (the
   caller has them: they are what it sent, from ``/v1/completions/render``).
+- With ``--enable-return-routed-experts`` (MoE models), each choice's ``routed_experts``:
+  base64 of a ``.npy`` array ``[prompt + completion - 1, layers, top_k]`` (uint8/uint16).
 - Errors: ``{"error": {"message", "type", "param", "code"}}``, or FastAPI's
   ``{"detail": ...}`` for unknown routes.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 from typing import Any
+
+import numpy as np
 
 from rollq.producers.inference.errors import InferenceResponseError
 from rollq.producers.inference.params import Choice, WeightSpan
@@ -42,14 +49,15 @@ def parse_completions(body: Any) -> list[Choice]:
         ):
             if [int(t[len(_TOKEN_ID_PREFIX):]) for t in tokens] != token_ids:
                 raise InferenceResponseError("logprobs.tokens disagree with token_ids")
-        prompt_ids = choice.get("prompt_token_ids")
+        prompt_ids = _ints(choice.get("prompt_token_ids"), "prompt_token_ids")
         samples.append(Choice(
-            prompt_ids=_ints(prompt_ids, "prompt_token_ids"),
+            prompt_ids=prompt_ids,
             completion_ids=token_ids,
             logprobs=logprobs,
             finish_reason=str(choice.get("finish_reason") or ""),
             text=str(choice.get("text") or ""),
             stop_reason=choice.get("stop_reason"),
+            routed_experts=_routed(choice, len(prompt_ids) + len(token_ids) - 1),
         ))
     return samples
 
@@ -71,6 +79,7 @@ def parse_chat(body: Any) -> list[Choice]:
             text=str(message.get("content") or ""),
             reasoning=str(reasoning) if reasoning is not None else None,
             stop_reason=choice.get("stop_reason"),
+            routed_experts=_routed(choice, len(prompt_ids) + len(token_ids) - 1),
         ))
     return samples
 
@@ -89,6 +98,7 @@ def parse_generate(body: Any, prompt_ids: list[int]) -> list[Choice]:
             text=str(choice.get("text") or ""),
             stop_reason=choice.get("stop_reason"),
             weight_versions=_spans(choice.get("weight_versions"), len(token_ids)),
+            routed_experts=_routed(choice, len(prompt_ids) + len(token_ids) - 1),
         ))
     return samples
 
@@ -171,3 +181,19 @@ def _spans(values: Any, count: int) -> tuple[WeightSpan, ...] | None:
     if position != count:
         raise InferenceResponseError(f"weight_versions cover {position} of {count} tokens")
     return tuple(spans)
+
+
+def _routed(choice: dict[str, Any], positions: int) -> Any:
+    """A choice's routed experts (``[positions, layers, top_k]``), or None when it has none."""
+    encoded = choice.get("routed_experts")
+    if encoded is None:
+        return None
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)),
+                        allow_pickle=False)
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise InferenceResponseError(f"routed_experts is not a base64 .npy array: {exc}") from None
+    if array.ndim != 3 or array.shape[0] != positions:
+        raise InferenceResponseError(f"routed_experts has shape {array.shape}, expected "
+                                     f"[{positions}, layers, top_k]")
+    return array

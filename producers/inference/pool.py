@@ -27,6 +27,7 @@ again once a server is ready, up to ``max_aborts`` times (the retry budget is un
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -42,9 +43,16 @@ from rollq.producers.inference.errors import (
     PauseTimeout,
     ServerUnreachable,
 )
-from rollq.producers.inference.params import Backoff, Choice, ModelInfo, SamplingParams
+from rollq.producers.inference.params import (
+    Backoff,
+    Choice,
+    ModelInfo,
+    SamplingParams,
+    WeightSpan,
+)
 from rollq.producers.inference.server import InferenceServer, MessageDict
 from rollq.schemas import ConfigError, InferenceUnavailable
+from rollq.schemas.keys import adapter_name
 
 log = structlog.get_logger("rollq.inference")
 
@@ -69,6 +77,13 @@ class InferencePool:
     - ``pause_timeout_s``: longest wait for a paused server before ``PauseTimeout``;
       ``pause_poll`` spaces the ``/is_paused`` polls; ``max_aborts``: resends of one
       request after aborted generations.
+    - ``logprobs_mode``: the servers' ``--logprobs-mode``, recorded with each sample
+      (``Choice.sampling``); ``auto`` asks each server's ``/server_info`` (vLLM in dev
+      mode) once; None: not known.
+    - ``lora_name`` with ``policy_version`` (reads the run's version): the trainer syncs a
+      LoRA adapter (``weight_sync='lora'``); each generation names the adapter of the
+      version it read, ``<lora_name>-v<version>`` (the base model at version 0), and its
+      tokens carry that version.
     - ``transport``: an httpx transport (``httpx.MockTransport`` in tests).
     """
 
@@ -87,6 +102,9 @@ class InferencePool:
         max_aborts: int = 8,
         max_connections: int | None = None,
         api_key: str | None = None,
+        logprobs_mode: str | None = None,
+        lora_name: str | None = None,
+        policy_version: Callable[[], Awaitable[int]] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not base_urls:
@@ -106,6 +124,9 @@ class InferencePool:
         self.max_aborts = max_aborts
         self.max_connections = max_connections
         self.api_key = api_key
+        self.logprobs_mode = logprobs_mode
+        self.lora_name = lora_name
+        self.policy_version = policy_version
         self.transport = transport
         self.servers: list[InferenceServer] = []
         self._client: httpx.AsyncClient | None = None
@@ -125,6 +146,8 @@ class InferencePool:
                                 max_keepalive_connections=None),
         )
         self.servers = [InferenceServer(url, self._client) for url in self.base_urls]
+        for server in self.servers:
+            server.declared_logprobs_mode = self.logprobs_mode
         if self.health_interval_s is not None:
             self._health_task = asyncio.create_task(self._watch_health(self.health_interval_s),
                                                     name="rollq-inference-health")
@@ -156,17 +179,19 @@ class InferencePool:
         """Generate ``n`` choices for one prompt (text, or token ids used verbatim) through
         ``/v1/completions``; returns prompt ids, completion ids, sampler logprobs, finish
         reason and text per choice."""
-        model = await self._model_name()
+        model, version = await self._generation_model()
         sampling = params or SamplingParams()
-        return await self._call("complete", lambda s: s.complete(prompt, n, sampling, model=model))
+        return _labelled(await self._call(
+            "complete", lambda s: s.complete(prompt, n, sampling, model=model)), version)
 
     async def chat(self, messages: Sequence[MessageDict], n: int = 1,
                    params: SamplingParams | None = None) -> list[Choice]:
         """Generate ``n`` replies to a conversation through ``/v1/chat/completions`` (the
         server's chat template and reasoning parser apply)."""
-        model = await self._model_name()
+        model, version = await self._generation_model()
         sampling = params or SamplingParams()
-        return await self._call("chat", lambda s: s.chat(messages, n, sampling, model=model))
+        return _labelled(await self._call(
+            "chat", lambda s: s.chat(messages, n, sampling, model=model)), version)
 
     async def tokenize(self, *, messages: Sequence[MessageDict] | None = None,
                        prompt: str | None = None, add_generation_prompt: bool = True,
@@ -211,6 +236,17 @@ class InferencePool:
         return {server.base_url: server.healthy for server in self.servers}
 
     # --- retries and routing -------------------------------------------------------------
+
+    async def _generation_model(self) -> tuple[str, int | None]:
+        """The model a generation names, and the policy version that name fixes: with
+        ``lora_name``, the adapter of the run's current version (the base model at version
+        0), so every token's version is exact by construction; else the model, no version."""
+        if self.lora_name is None or self.policy_version is None:
+            return await self._model_name(), None
+        version = await self.policy_version()
+        if version == 0:
+            return await self._model_name(), 0
+        return adapter_name(self.lora_name, version), version
 
     async def _model_name(self) -> str:
         if self.model is not None:
@@ -358,6 +394,14 @@ class InferencePool:
             failure = task.exception()
             if failure is not None:
                 raise failure
+
+
+def _labelled(samples: list[Choice], version: int | None) -> list[Choice]:
+    """Samples whose every token the weights of ``version`` sampled (a named adapter)."""
+    if version is None:
+        return samples
+    return [dataclasses.replace(sample, weight_versions=(
+        WeightSpan(str(version), 0, len(sample.completion_ids)),)) for sample in samples]
 
 
 def _select_model(entries: list[dict[str, Any]], wanted: str | None) -> ModelInfo:

@@ -7,6 +7,7 @@ and pause waiting are the pool's business; a call here is exactly one HTTP reque
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Sequence
 from typing import Any
@@ -64,6 +65,14 @@ class InferenceServer:
         ``/inference/v1/generate``), which labels each token with the weights that sampled
         it; None until the first completion finds out (a server started without
         ``--enable-scale-out`` refuses it: ``/v1/completions`` from then on)."""
+        self.declared_logprobs_mode: str | None = None
+        """The servers' logprobs mode as the pool was told it (workers' ``logprobs_mode``):
+        recorded with every sample; ``auto``: ask the server itself (``/server_info``);
+        None: not known."""
+        self.served_logprobs_mode: str | None = None
+        """With ``auto``: the server's ``--logprobs-mode`` as its ``/server_info`` says
+        (vLLM, with ``VLLM_SERVER_DEV_MODE=1``); asked once, before its first generation."""
+        self._mode_asked = False
 
     def record(self, seconds: float, reply: Any) -> None:
         """Count a successful generation: its latency and the tokens it generated (a list
@@ -102,11 +111,12 @@ class InferenceServer:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
+        mode = await self.logprobs_mode()
         generated = await self._generate(body) if self.generate_api is not False else None
         samples = (generated if generated is not None
                    else parse_completions(await self._post("/v1/completions", body)))
         self._check_not_aborted(samples)
-        return samples
+        return self._recorded(samples, params, model, mode)
 
     async def _generate(self, body: dict[str, Any]) -> list[Choice] | None:
         """A completions request through ``/v1/completions/render`` and
@@ -139,9 +149,39 @@ class InferenceServer:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
         }
+        mode = await self.logprobs_mode()
         samples = parse_chat(await self._post("/v1/chat/completions", body))
         self._check_not_aborted(samples)
-        return samples
+        return self._recorded(samples, params, model, mode)
+
+    async def logprobs_mode(self) -> str | None:
+        """What this server's logprobs are: the declared mode; with ``auto`` the server's
+        own word (``/server_info``, asked before its first generation; a server that could
+        not answer then is asked again next time), None where it cannot say."""
+        if self.declared_logprobs_mode != "auto":
+            return self.declared_logprobs_mode
+        if not self._mode_asked:
+            try:
+                body = await self._request("GET", "/server_info?config_format=json")
+            except InferenceRequestError:  # not in dev mode (404): it cannot say
+                self._mode_asked = True
+            except (InferenceUnavailable, InferenceResponseError):
+                pass
+            else:
+                self._mode_asked = True
+                config = body.get("vllm_config") if isinstance(body, dict) else None
+                model_config = config.get("model_config") if isinstance(config, dict) else None
+                mode = (model_config.get("logprobs_mode") if isinstance(model_config, dict)
+                        else None)
+                self.served_logprobs_mode = mode if isinstance(mode, str) else None
+        return self.served_logprobs_mode
+
+    @staticmethod
+    def _recorded(samples: list[Choice], params: SamplingParams, model: str,
+                  mode: str | None) -> list[Choice]:
+        """The samples with how they were sampled (``Choice.sampling``)."""
+        record = params.record(model=model, logprobs_mode=mode)
+        return [dataclasses.replace(sample, sampling=record) for sample in samples]
 
     async def tokenize(self, *, model: str, messages: Sequence[MessageDict] | None = None,
                        prompt: str | None = None, add_generation_prompt: bool = True,

@@ -238,6 +238,8 @@ async def test_a_sync_that_meets_a_generation_midway_labels_each_token_with_its_
                 break  # the sync landed mid-generation, as wanted
         else:
             pytest.fail(f"no sync met the generation midway: {samples[0].weight_versions}")
+        # keep: the sync that met the generation midway aborted nothing (issue 44)
+        assert tc.last_sync is not None and tc.last_sync.aborted_requests == 0
     assert server.generate_api is True
     synced = 11 + attempt
     sampler_old, sampler_new = (old, new) if attempt % 2 == 0 else (new, old)

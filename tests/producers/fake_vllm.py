@@ -95,6 +95,10 @@ class FakeVLLM:
         self._faults: Faults | None = None
         self.injected: Counter[str] = Counter()
         """Faults injected so far, by kind (``connect``, ``503``, ``slow``...)."""
+        self.adapters: set[str] = set()
+        """LoRA adapter names served beside the model (requests may name them)."""
+        self.logprobs_mode: str | None = None
+        """Set: ``/server_info`` answers it, as vLLM in dev mode does (else 404)."""
         self._resumed: asyncio.Event | None = None
         self._abort: asyncio.Event | None = None
 
@@ -142,6 +146,9 @@ class FakeVLLM:
         if path == "/resume":
             self.resume()
             return _json({"status": "resumed"})
+        if path == "/server_info" and self.logprobs_mode is not None:
+            return _json({"vllm_config": {"model_config": {
+                "logprobs_mode": self.logprobs_mode}}, "vllm_env": {}, "system_env": {}})
         if path.endswith("/render") or path.startswith("/inference/"):
             return _json(SCALE_OUT_DISABLED, 403)  # vLLM started without --enable-scale-out
         if path == "/v1/models":
@@ -185,7 +192,7 @@ class FakeVLLM:
                       "token_strs": None})
 
     async def _generate(self, path: str, body: dict[str, Any]) -> httpx.Response:
-        if body.get("model") != self.model:
+        if body.get("model") != self.model and body.get("model") not in self.adapters:
             return _json(_error(f"The model `{body.get('model')}` does not exist.",
                                 "NotFoundError", "model", 404), 404)
         chat = path.endswith("chat/completions")

@@ -71,9 +71,26 @@ class FakeVllm:
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
+    adapters: dict[str, set[str]] = field(default_factory=dict)
+    """The LoRA adapters each server holds (``/v1/load_lora_adapter``, ``/v1/models``)."""
+    aborted: dict[str, int] = field(default_factory=dict)
+    """Set: ``/metrics`` (read around each sync, not recorded in ``calls``) says the server
+    aborted that many requests so far, each ``/pause?mode=abort`` adding one."""
+
     def handle(self, request: httpx.Request) -> httpx.Response:
         host, path = request.url.host, request.url.path
         query = request.url.query.decode()
+        if path == "/metrics":
+            if host not in self.aborted:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx.Response(200, text=(
+                '# TYPE vllm:request_success_total counter\n'
+                f'vllm:request_success_total{{engine="0",finished_reason="abort",'
+                f'model_name="m"}} {float(self.aborted[host])}\n'
+                'vllm:request_success_total{engine="0",finished_reason="stop",'
+                'model_name="m"} 7.0\n'))
+        if path == "/pause" and query == "mode=abort" and host in self.aborted:
+            self.aborted[host] += 1
         self.calls[host].append(path + (f"?{query}" if query else ""))
         if request.content:
             self.bodies[(host, path)] = json.loads(request.content)
@@ -83,6 +100,16 @@ class FakeVllm:
         if status:
             return httpx.Response(status, json={"error": {"message": f"{path} broke",
                                                           "type": "InternalServerError"}})
+        if path == "/v1/load_lora_adapter":  # vLLM answers a plain-text 200
+            self.adapters.setdefault(host, set()).add(self.bodies[(host, path)]["lora_name"])  # type: ignore[index]
+            return httpx.Response(200, text="Success: LoRA adapter loaded.")
+        if path == "/v1/unload_lora_adapter":
+            self.adapters.setdefault(host, set()).discard(
+                self.bodies[(host, path)]["lora_name"])  # type: ignore[index]
+            return httpx.Response(200, text="Success: LoRA adapter unloaded.")
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": name} for name in ["base", *sorted(self.adapters.get(host, ()))]]})
         replies: dict[str, object] = {
             "/pause": {"status": "paused"}, "/resume": {"status": "resumed"},
             "/collective_rpc": {"results": [None]}, "/reset_prefix_cache": {"success": True},

@@ -123,7 +123,8 @@ async def test_external_pauses_every_server_around_the_move_and_bumps_before_res
     original = fake.handle
 
     def handle(request):  # type: ignore[no-untyped-def]
-        order.append(request.url.path)
+        if request.url.path != "/metrics":  # read around the sync, not a step of it
+            order.append(request.url.path)
         return original(request)
 
     fake.handle = handle  # type: ignore[method-assign]
@@ -206,3 +207,23 @@ async def test_a_version_bump_that_fails_still_resumes_every_server(
         with pytest.raises(BrokerUnavailable):
             await tc.publish_policy(1, None)
     assert fake.calls["a"] == EXTERNAL  # resumed although the bump failed
+
+
+@pytest.mark.parametrize(("mode", "aborted"), [("keep", 0), ("wait", 0), ("abort", 2)])
+async def test_a_sync_reports_the_requests_the_servers_aborted(
+        redis: aioredis.Redis, mode: str, aborted: int) -> None:
+    fake = FakeVllm(aborted={"a": 5, "b": 0})  # the fake aborts one request per abort pause
+    async with trainer(redis, fake, "http://a:8000", "http://b:8000", pause_mode=mode) as tc:
+        await tc.publish_policy(1, "/w")
+        assert tc.last_sync is not None and tc.last_sync.aborted_requests == aborted
+        assert tc.stats.sync_aborts["reload"].count == 1
+    assert "/metrics" not in fake.calls["a"]
+
+
+async def test_a_server_without_metrics_leaves_the_abort_count_unknown(
+        redis: aioredis.Redis) -> None:
+    fake = FakeVllm(aborted={"a": 0})  # b has no /metrics
+    async with trainer(redis, fake, "http://a:8000", "http://b:8000") as tc:
+        await tc.publish_policy(1, "/w")
+        assert tc.last_sync is not None and tc.last_sync.aborted_requests is None
+        assert tc.stats.sync_aborts["reload"].count == 0
