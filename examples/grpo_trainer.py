@@ -23,6 +23,9 @@ of ``--model`` (the starting weights, also on resume): the k3 estimator
 ``exp(r - p) - (r - p) - 1`` per trainable token (p, r: the policy's and the reference's
 log-probabilities), averaged like the PPO term. It keeps a small model from collapsing onto
 one answer. ``--torch-threads 1`` leaves the other cores to a CPU vLLM server beside it.
+``--freeze-embeddings`` trains everything but the token embeddings and the output layer
+(a pretrained model's vocabulary stays put; on a 135M model it is 40 % of the weights, and
+the step is cheaper without their gradients and Adam state).
 
 Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU elsewhere
 (``--device cuda``).
@@ -80,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "first steps move every weight by about lr) [0: none]")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
+    parser.add_argument("--freeze-embeddings", action="store_true",
+                        help="do not train the token embeddings and the output layer")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads (1 beside a CPU vLLM server) [torch's default]")
     parser.add_argument("--flip-advantages", action="store_true",
@@ -312,7 +317,11 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
         reference.to(args.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if args.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+        model.get_output_embeddings().requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,

@@ -19,19 +19,24 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default="demo", help="the run's name [demo]")
     parser.add_argument("--out", type=Path, default=Path("demo-out"),
                         help="where the plot, summary, logs and model go [demo-out]")
-    parser.add_argument("--task", choices=("digits", "sums", "tools"), default="digits",
+    parser.add_argument("--task", choices=("digits", "sums", "tools", "smollm2"),
+                        default="digits",
                         help="digits: the digit-fraction toy reward; sums: single-digit sums "
                         "scored by format + math-verify accuracy, from a format warm start, "
                         "with train and held-out accuracy curves; tools: one-digit arithmetic "
                         "(+ - *) asked of an openai agent that must call a calc tool, through "
-                        "rollq gateway [digits]")
-    parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600; tools 180]")
+                        "rollq gateway; smollm2: the sums asked of a real pretrained model, "
+                        "SmolLM2-135M-Instruct (fetched and converted once: rollq model), in "
+                        "its own chat format, from its own weights [digits]")
+    parser.add_argument("--steps", type=int,
+                        help="trainer steps [60; sums 600; tools 180; smollm2 60]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
                         f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
                         "`bash .ci/setup.sh` makes]")
     parser.add_argument("--inference", help="use this running vLLM server instead")
     parser.add_argument("--model", type=Path,
-                        help="with --inference: the HF model directory that server serves")
+                        help="with --inference: the HF model directory that server serves "
+                        "[smollm2: the converted SmolLM2 in the rollq cache]")
     parser.add_argument("--lr", type=float,
                         help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3]")
     parser.add_argument("--group-size", type=int, help="completions per group [8]")
@@ -72,6 +77,11 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from rollq.ops.logging import configure_logging
 
     configure_logging("console", "warning")
+    if args.task == "smollm2" and not args.model:
+        from rollq.ops.local.artifacts import default_cache_dir
+        from rollq.ops.local.smollm2 import smollm2_model
+
+        args.model = smollm2_model(default_cache_dir(environ))
     if args.inference and not args.model:
         raise ConfigError("--inference needs --model: the model directory the server serves")
     if args.inference:

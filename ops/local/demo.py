@@ -19,6 +19,9 @@ accuracy), starting from the tiny model warm-started on the format with random a
 at step 0) the served policy answers the 80 training and 20 held-out problems greedily
 (``ops.local.evaluate``); ``learning.png`` plots the format reward, batch accuracy and both
 evaluated accuracies, and ``summary.json`` holds the curves.
+
+``task="smollm2"`` is the same ``sums`` problems asked of a real pretrained model,
+SmolLM2-135M-Instruct, in its own chat format, with no warm start (``ops.local.demo_smollm2``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +42,7 @@ import httpx
 import redis
 
 from rollq.consumers.trainer.settings import WeightSyncMethod
+from rollq.ops.local import demo_smollm2
 from rollq.ops.local.demo_sums import (
     SUMS_REWARD,
     SumsEvaluation,
@@ -49,6 +52,7 @@ from rollq.ops.local.demo_sums import (
     sums_evaluation,
 )
 from rollq.ops.local.demo_tools import TOOLS_REWARD, gateway_argv, tools_evaluation, wait_healthy
+from rollq.ops.local.process_groups import Processes
 from rollq.ops.local.stack import RedisProcess, VllmProcess, free_port
 from rollq.producers.envs.tools import VLLM_TOOL_FLAGS
 from rollq.schemas import ConfigError
@@ -57,10 +61,12 @@ from rollq.schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, s
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
 TORCHRUN_TRAINER = EXAMPLES / "torchrun_trainer.py"
-Task = Literal["digits", "sums", "tools"]
-LEARNING_TASKS = ("sums", "tools")
-"""Tasks evaluated greedily during the run, with learning curves and a warm start."""
+Task = Literal["digits", "sums", "tools", "smollm2"]
+LEARNING_TASKS = ("sums", "tools", "smollm2")
+"""Tasks evaluated greedily during the run, with learning curves (all but ``smollm2``
+from a warm start)."""
 TITLES = {"sums": "rollq demo --task sums: single-digit sums",
+          "smollm2": "rollq demo --task smollm2: SmolLM2-135M-Instruct, single-digit sums",
           "tools": "rollq demo --task tools: arithmetic with a calc tool, through rollq gateway"}
 
 DEMO_REWARD = """\
@@ -115,6 +121,10 @@ class DemoOptions:
     seed: int = 0
     weight_sync: WeightSyncMethod = "reload"
     """How the trainer moves weights into vLLM (the demo's own server serves rollq_tcp)."""
+    freeze_embeddings: bool = False
+    """The trainer leaves the token embeddings and the output layer as they are."""
+    checkpoint_every: int | None = None
+    """The trainer's ``--checkpoint-every`` (None: its default, 5)."""
 
     @classmethod
     def for_task(cls, task: Task, **given: Any) -> DemoOptions:
@@ -132,6 +142,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # the start without it) from breaking the warm start.
     "tools": {"steps": 180, "batch_groups": 8, "group_size": 8, "max_tokens": 40, "lr": 1e-3,
               "kl_coef": 0.05, "warmup_steps": 10, "torch_threads": 1},
+    "smollm2": demo_smollm2.DEFAULTS,
 }
 
 
@@ -150,39 +161,6 @@ class DemoResult:
     def reward_at(self, first: bool, window: int = 5) -> float:
         rows = self.steps[:window] if first else self.steps[-window:]
         return float(sum(r["reward_mean"] for r in rows)) / max(1, len(rows))
-
-
-class Processes:
-    """Child processes in their own process groups, stopped in reverse order."""
-
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.started: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        with (self.logs / f"{name}.log").open("wb") as log:  # the child keeps its own copy
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        self.started.append((name, process))
-        return process
-
-    def check(self) -> None:
-        for name, process in self.started:
-            if process.poll() not in (None, 0):
-                tail = (self.logs / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {process.returncode}:\n{tail}")
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        for _, process in reversed(self.started):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, process in reversed(self.started):
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=5)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -258,7 +236,8 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             say("vllm: starting the CPU server (30-70 s, first compile ~20 s)...")
             cache = Path(options.vllm_python).resolve().parent.parent / "inductor-cache"
             vllm = VllmProcess(options.vllm_python, model, logs / "vllm.log",
-                               compile_cache=cache,
+                               compile_cache=cache, **demo_smollm2.SERVER
+                               if options.task == "smollm2" else {},
                                weight_transfer="rollq_tcp" if options.weight_sync == "transfer"
                                else None,
                                extra_args=VLLM_TOOL_FLAGS if options.task == "tools" else ()
@@ -323,6 +302,10 @@ def _evaluation(options: DemoOptions, inference: str, out: Path,
     if options.task == "tools":
         return tools_evaluation(inference, served_model(inference), out, say,
                                 every=options.eval_every, max_tokens=options.max_tokens)
+    if options.task == "smollm2":
+        return sums_evaluation("sums", inference, out, say, every=options.eval_every,
+                               max_tokens=options.max_tokens, reward=demo_smollm2.SMOLLM2_REWARD,
+                               style=demo_smollm2.prompt_style())
     return sums_evaluation(options.task, inference, out, say, every=options.eval_every,
                            max_tokens=options.max_tokens)
 
@@ -333,6 +316,9 @@ def _write_model(options: DemoOptions, out: Path,
     ``tools``; reused when ``out`` already holds one)."""
     from rollq.ops.local.tiny_model import write_tiny_model
 
+    if options.task == "smollm2":
+        raise ConfigError("the smollm2 task needs its model: `rollq model "
+                          "smollm2-135m-instruct` prints the folder to pass as --model")
     tiny = out / "tiny-model"
     if options.task not in LEARNING_TASKS:
         write_tiny_model(tiny, seed=0)
@@ -370,6 +356,9 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
     env_options: list[str] = []
     if options.task == "sums":
         reward, task_env = SUMS_REWARD, "sums"
+    elif options.task == "smollm2":
+        reward, task_env = demo_smollm2.SMOLLM2_REWARD, demo_smollm2.ENV
+        env_options = demo_smollm2.env_options()
     elif options.task == "tools":
         reward, task_env = TOOLS_REWARD, "tools"
         gateway = f"http://127.0.0.1:{(port := free_port())}"
@@ -390,7 +379,8 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
         "--temperature", str(options.temperature),
         "--concurrency", str(options.batch_groups)], env)
     processes.start("feeder", [
-        python, "-m", "rollq", "feed", "--env", task_env, "--epochs", "100000",
+        python, "-m", "rollq", "feed", "--env", task_env,
+        *(env_options if options.task == "smollm2" else []), "--epochs", "100000",
         "--max-staleness", str(options.max_staleness),
         "--batch-groups", str(options.batch_groups), "--shuffle-seed", str(options.seed)], env)
 
@@ -416,6 +406,10 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
         argv += ["--torch-threads", str(options.torch_threads)]
     if options.weight_sync != "reload":
         argv += ["--weight-sync", options.weight_sync, "--transfer-backend", "rollq_tcp"]
+    if options.freeze_embeddings:
+        argv += ["--freeze-embeddings"]
+    if options.checkpoint_every is not None:
+        argv += ["--checkpoint-every", str(options.checkpoint_every)]
     return argv + (["--flip-advantages"] if options.flip_advantages else [])
 
 

@@ -53,8 +53,10 @@ class SumsEvaluation:
 
 @contextlib.contextmanager
 def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], None], *,
-                    every: int, max_tokens: int) -> Iterator[SumsEvaluation | None]:
-    """Evaluations every ``every`` steps for the ``sums`` task; None for any other task."""
+                    every: int, max_tokens: int, reward: Path = SUMS_REWARD,
+                    style: Any = None) -> Iterator[SumsEvaluation | None]:
+    """Evaluations every ``every`` steps for the ``sums`` task (scored by ``reward``, asked
+    in ``style``, a ``PromptStyle``); None for any other task."""
     if task != "sums":
         yield None
         return
@@ -62,10 +64,10 @@ def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], N
     from rollq.ops.local.evaluate import Evaluator
     from rollq.producers.envs.sums import sums_env
 
-    config = RewardConfig.from_yaml(SUMS_REWARD)
+    config = RewardConfig.from_yaml(reward)
     with Evaluator(inference, served_model(inference), config,
                    max_tokens=max_tokens) as evaluator:
-        problems = {split: evaluator.problems(sums_env(split=split))
+        problems = {split: evaluator.problems(sums_env(split=split, style=style))
                     for split in ("train", "heldout")}
         yield SumsEvaluation(evaluator, problems, every, out / "evals.jsonl", say)
 
