@@ -27,7 +27,8 @@ one answer. ``--torch-threads 1`` leaves the other cores to a CPU vLLM server be
 (a pretrained model's vocabulary stays put; on a 135M model it is 40 % of the weights, and
 the step is cheaper without their gradients and Adam state).
 
-Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU elsewhere
+Each step appends one JSON line to ``--metrics`` (with the seconds it waited for the batch,
+trained, and synced the weights). Runs on CPU here, on a GPU elsewhere
 (``--device cuda``).
 
 SIGINT (Ctrl-C) or SIGTERM: a step in progress finishes (trained, weights synced, acked),
@@ -359,8 +360,11 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
             while step < args.steps and stop.received is None:
                 started = time.monotonic()
                 batch = client.next_batch(groups=args.batch_groups)  # a signal: Stopped
+                waited = time.monotonic() - started
                 with stop.finishing():  # a first signal lets the step finish
                     record = train_on(batch, step + 1, model, reference, optimizer, args)
+                    record |= {"wait_seconds": waited,
+                               "train_seconds": time.monotonic() - started - waited}
                     sync_weights(client, step + 1, model, weights_dir, args)
                     batch.ack()
                     step += 1  # done: only now may a stop save it
