@@ -114,10 +114,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels[t] | tokens[..t]) at every position t, shape [B, T]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                   labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(labels[t] | tokens[..t]) at every position t, shape [B, T]. With ``mask``, only
+    where it is set (0 elsewhere): the output layer then runs on those positions alone,
+    which for a 49k-token vocabulary and prompts longer than the answers is most of the
+    forward's logits (and their memory) saved."""
+    if mask is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    hidden = model.get_decoder()(input_ids=input_ids,
+                                 attention_mask=attention_mask).last_hidden_state
+    where = mask.bool()
+    logits = model.get_output_embeddings()(hidden[where]).float()
+    chosen = torch.log_softmax(logits, dim=-1).gather(-1, labels[where].unsqueeze(-1))
+    return torch.zeros(mask.shape, dtype=chosen.dtype, device=chosen.device).masked_scatter(
+        where, chosen.squeeze(-1))
 
 
 def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -262,14 +273,14 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
     if args.flip_advantages:
         tensors["advantages"] = -tensors["advantages"]
     logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
-                              tensors["labels"])
+                              tensors["labels"], tensors["mask"])
     loss, stats = grpo_loss(logprobs, tensors["sampler_logprobs"],
                             tensors["advantages"], tensors["mask"], args.clip)
     if reference is not None:
         with torch.no_grad():
             reference_logprobs = token_logprobs(
                 reference, tensors["input_ids"], tensors["attention_mask"],
-                tensors["labels"])
+                tensors["labels"], tensors["mask"])
         kl = kl_penalty(logprobs, reference_logprobs, tensors["mask"])
         loss = loss + args.kl_coef * kl
         stats["kl"] = float(kl.detach())
