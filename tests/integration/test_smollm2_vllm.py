@@ -9,8 +9,8 @@ steps through the whole loop.
   (``rollq feed``, ``workers``, ``score``, the example trainer with weight transfer): the
   trainer's token ids are the server's (the prompt is the server's own rendering of the
   chat, the completion decodes to the text it came with), the sync makes the served
-  logprobs the trainer's, the versions are the steps. Its perturbation of the embeddings
-  and output layer is what a tied folder would not serve (``ops.local.smollm2``).
+  logprobs the trainer's, the versions are the steps. It trains the embeddings and the
+  output layer too, which a tied folder would serve stale (``ops.local.smollm2``).
 """
 
 from __future__ import annotations
@@ -92,11 +92,17 @@ def test_a_few_grpo_steps_through_rollq(
             "smollm2", out=tmp_path / "demo", run="smollm2-smoke", redis_url=redis_server.url,
             inference=smollm2_server.url, model=smollm2_model, steps=steps,
             batch_groups=groups, group_size=4, eval_every=1000, lr=1e-4,
-            checkpoint_every=steps), say=lambda _: None)
+            checkpoint_every=steps, freeze_embeddings=False), say=lambda _: None)
         assert [row["step"] for row in result.steps] == list(range(1, steps + 1))
         trained = _trained_weights(tmp_path / "demo" / "trainer" / "checkpoint.pt",
                                    smollm2_model)
-        assert largest_gap(smollm2_server.url, trained) < TOLERANCE  # the sync reached vLLM
+        original = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_model, dtype=torch.float32).eval()
+        # the output layer trained (a tied folder's would stay stale in vLLM) ...
+        assert not torch.equal(trained.lm_head.weight, original.lm_head.weight)
+        # ... and vLLM serves the trained weights, not the ones it started with
+        assert largest_gap(smollm2_server.url, trained) < TOLERANCE
+        assert largest_gap(smollm2_server.url, original) > 5 * TOLERANCE
         info = httpx.get(f"{smollm2_server.url}/weight_info", timeout=30).json()
         assert info["weight_version"] == str(steps)
         asyncio.run(_check_groups(redis_server.url, smollm2_server.url, smollm2_model, steps))
