@@ -25,7 +25,9 @@ log-probabilities), averaged like the PPO term. It keeps a small model from coll
 one answer. ``--torch-threads 1`` leaves the other cores to a CPU vLLM server beside it.
 ``--freeze-embeddings`` trains everything but the token embeddings and the output layer
 (a pretrained model's vocabulary stays put; on a 135M model it is 40 % of the weights, and
-the step is cheaper without their gradients and Adam state).
+the step is cheaper without their gradients and Adam state). ``--train-layers N`` trains
+only the last N transformer blocks and the final norm: the backward pass stops at the
+lowest of them, which on a CPU is most of a step's cost.
 
 Each step appends one JSON line to ``--metrics`` (with the seconds it waited for the batch,
 trained, and synced the weights). Runs on CPU here, on a GPU elsewhere
@@ -86,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
     parser.add_argument("--freeze-embeddings", action="store_true",
                         help="do not train the token embeddings and the output layer")
+    parser.add_argument("--train-layers", type=int,
+                        help="train only the last N transformer blocks (and the final norm; "
+                             "with --freeze-embeddings, nothing below them) [all]")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads (1 beside a CPU vLLM server) [torch's default]")
     parser.add_argument("--flip-advantages", action="store_true",
@@ -332,6 +337,10 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     if args.freeze_embeddings:
         model.get_input_embeddings().requires_grad_(False)
         model.get_output_embeddings().requires_grad_(False)
+    if args.train_layers is not None:  # HF decoders keep their blocks in .layers
+        blocks = model.get_decoder().layers
+        for block in blocks[:max(0, len(blocks) - args.train_layers)]:
+            block.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                   lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)

@@ -125,6 +125,8 @@ class DemoOptions:
     """The trainer leaves the token embeddings and the output layer as they are."""
     checkpoint_every: int | None = None
     """The trainer's ``--checkpoint-every`` (None: its default, 5)."""
+    train_layers: int | None = None
+    """The trainer trains only the last this many transformer blocks (None: all)."""
 
     @classmethod
     def for_task(cls, task: Task, **given: Any) -> DemoOptions:
@@ -410,6 +412,8 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
         argv += ["--freeze-embeddings"]
     if options.checkpoint_every is not None:
         argv += ["--checkpoint-every", str(options.checkpoint_every)]
+    if options.train_layers is not None:
+        argv += ["--train-layers", str(options.train_layers)]
     return argv + (["--flip-advantages"] if options.flip_advantages else [])
 
 
