@@ -260,6 +260,19 @@ class StopSignals:
         return 130 if self.received == signal.SIGINT else 0
 
 
+def trainable(model: Any, args: argparse.Namespace) -> list[Any]:
+    """Freeze what ``--freeze-embeddings`` and ``--train-layers`` leave out; the parameters
+    that still train."""
+    if args.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+        model.get_output_embeddings().requires_grad_(False)
+    if args.train_layers is not None:  # HF decoders keep their blocks in .layers
+        blocks = model.get_decoder().layers
+        for block in blocks[:max(0, len(blocks) - args.train_layers)]:
+            block.requires_grad_(False)
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+
 def learning_rate(args: argparse.Namespace, step: int) -> float:
     """``--lr``, ramped linearly over the first ``--warmup-steps`` steps (``step`` from 1;
     from the step itself, so a resumed run carries on the ramp)."""
@@ -334,15 +347,7 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
         reference.to(args.device).eval().requires_grad_(False)
-    if args.freeze_embeddings:
-        model.get_input_embeddings().requires_grad_(False)
-        model.get_output_embeddings().requires_grad_(False)
-    if args.train_layers is not None:  # HF decoders keep their blocks in .layers
-        blocks = model.get_decoder().layers
-        for block in blocks[:max(0, len(blocks) - args.train_layers)]:
-            block.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=args.lr)
+    optimizer = torch.optim.AdamW(trainable(model, args), lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,

@@ -143,3 +143,22 @@ def test_logprobs_over_the_mask_alone_equal_the_full_forwards_with_their_gradien
     assert torch.allclose(full, masked, atol=1e-5) and bool((masked[mask == 0] == 0).all())
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full_grads, masked_grads,
                                                                 strict=True))
+
+
+def test_frozen_embeddings_and_lower_blocks_do_not_train(tiny_model: Path) -> None:
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("grpo_trainer", TRAINER)
+    assert spec is not None and spec.loader is not None
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    args = trainer.parse_args(["--model", "m", "--out", "o", "--freeze-embeddings",
+                               "--train-layers", "1"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    trained = {names[id(p)] for p in trainer.trainable(model, args)}
+    assert trained and all(n.startswith(("model.layers.1.", "model.norm.")) for n in trained)
+    assert "model.layers.1.mlp.down_proj.weight" in trained
