@@ -194,17 +194,9 @@ def test_rollq_model_prints_the_folder_or_says_in_one_line_why_not(
         tmp_path / "models" / "smollm2-135m-instruct-bfloat16")
 
 
-def test_the_smollm2_demo_trains_without_the_embeddings_and_asks_in_the_template(
-        tmp_path: Path) -> None:
+def test_the_smollm2_demo_trains_without_the_embeddings(tmp_path: Path) -> None:
     from rollq.ops.local.demo import DemoOptions, trainer_argv
-    from rollq.ops.local.demo_smollm2 import TEMPLATE, env_options, prompt_style
-    from rollq.producers.envs.registry import make_env
 
     options = DemoOptions.for_task("smollm2", out=tmp_path, model=tmp_path)
     argv = trainer_argv(options, tmp_path, "http://127.0.0.1:1", tmp_path, tmp_path / "m")
     assert "--freeze-embeddings" in argv and "--kl-coef" not in argv
-    flag, option = env_options()
-    env = make_env("sums", **dict([option.split("=", 1)]))
-    assert flag == "--env-option" and env.prompt(env.item(0)) == [
-        {"role": "user", "content": "What is 0 + 0? Answer with just the number."}]
-    assert prompt_style().template == TEMPLATE

@@ -306,8 +306,7 @@ def _evaluation(options: DemoOptions, inference: str, out: Path,
                                 every=options.eval_every, max_tokens=options.max_tokens)
     if options.task == "smollm2":
         return sums_evaluation("sums", inference, out, say, every=options.eval_every,
-                               max_tokens=options.max_tokens, reward=demo_smollm2.SMOLLM2_REWARD,
-                               style=demo_smollm2.prompt_style())
+                               max_tokens=options.max_tokens, reward=demo_smollm2.SMOLLM2_REWARD)
     return sums_evaluation(options.task, inference, out, say, every=options.eval_every,
                            max_tokens=options.max_tokens)
 
@@ -360,7 +359,6 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
         reward, task_env = SUMS_REWARD, "sums"
     elif options.task == "smollm2":
         reward, task_env = demo_smollm2.SMOLLM2_REWARD, demo_smollm2.ENV
-        env_options = demo_smollm2.env_options()
     elif options.task == "tools":
         reward, task_env = TOOLS_REWARD, "tools"
         gateway = f"http://127.0.0.1:{(port := free_port())}"
@@ -381,8 +379,7 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
         "--temperature", str(options.temperature),
         "--concurrency", str(options.batch_groups)], env)
     processes.start("feeder", [
-        python, "-m", "rollq", "feed", "--env", task_env,
-        *(env_options if options.task == "smollm2" else []), "--epochs", "100000",
+        python, "-m", "rollq", "feed", "--env", task_env, "--epochs", "100000",
         "--max-staleness", str(options.max_staleness),
         "--batch-groups", str(options.batch_groups), "--shuffle-seed", str(options.seed)], env)
 
