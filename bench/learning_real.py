@@ -45,6 +45,7 @@ from rollq.ops.local.demo_sums import learning_curves
 from rollq.ops.local.smollm2 import smollm2_model
 from rollq.ops.local.stack import VllmProcess
 from rollq.schemas import decode_scored
+from rollq.schemas.codec import TRAJECTORY_REF, join_trajectory
 from rollq.schemas.keys import stream_key
 
 BUDGET_S = 1800.0
@@ -64,10 +65,16 @@ def step_costs(redis_url: str, run: str, steps: list[dict[str, Any]]) -> dict[st
     """Median seconds per step of each part (module docstring)."""
     client = redis.Redis.from_url(redis_url)
     try:
-        entries = client.xrange(stream_key(run, 0, "scored"))
+        scored = client.xrange(stream_key(run, 0, "scored"))
+        trajectories = dict(client.xrange(stream_key(run, 0, "traj")))  # type: ignore[arg-type]
     finally:
         client.close()
-    groups = [decode_scored(fields) for _, fields in entries]  # type: ignore[union-attr]
+    groups = []
+    for _, fields in scored:  # type: ignore[union-attr]
+        reference = fields.get(TRAJECTORY_REF)  # the scored entry names its traj entry
+        if reference is not None and reference in trajectories:
+            fields = join_trajectory(fields, trajectories[reference])
+        groups.append(decode_scored(fields))
     generation = [g.trajectory.finished_at - g.trajectory.created_at for g in groups]
     scoring = [g.scored_at - g.trajectory.finished_at for g in groups]
 

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from rollq.ops.local.demo import DemoOptions, run_demo
 from rollq.ops.local.smollm2 import MODEL_NAME
 from rollq.ops.local.stack import VllmProcess
-from rollq.schemas import decode_scored
+from rollq.schemas import decode_trajectory
 from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key, stream_key
 from tests.integration.conftest import restore_weights
 from tests.redis_server import RedisServer
@@ -121,13 +121,13 @@ async def _check_groups(redis_url: str, url: str, folder: Path, steps: int) -> N
     client = aioredis.Redis.from_url(redis_url)
     try:
         assert int(await client.hget(state_key("smollm2-smoke"), POLICY_VERSION_FIELD)) == steps
-        entries = await client.xrange(stream_key("smollm2-smoke", 0, "scored"))
+        entries = await client.xrange(stream_key("smollm2-smoke", 0, "traj"))
     finally:
         await client.aclose()
     assert entries
     async with httpx.AsyncClient(timeout=60) as http:
         for _, fields in entries:
-            group = decode_scored(fields).trajectory
+            group = decode_trajectory(fields)
             assert 0 <= group.policy_version < steps  # generated under an earlier step
             messages = group.prompt_messages
             assert messages is not None and messages[-1]["content"].startswith("What is ")
