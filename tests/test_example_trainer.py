@@ -110,6 +110,7 @@ def test_the_learning_rate_warms_up_linearly_then_stays() -> None:
         assert grpo_trainer.learning_rate(flat, 1) == 1e-3
 
 
+@pytest.mark.slow  # the module's tiny model is written by the first test that asks for it
 def test_logprobs_over_the_mask_alone_equal_the_full_forwards_with_their_gradients(
         tiny_model: Path) -> None:
     """``token_logprobs(..., mask)`` runs the output layer on the masked positions only; the
@@ -145,6 +146,7 @@ def test_logprobs_over_the_mask_alone_equal_the_full_forwards_with_their_gradien
                                                                 strict=True))
 
 
+@pytest.mark.slow  # as above
 def test_frozen_embeddings_and_lower_blocks_do_not_train(tiny_model: Path) -> None:
     import importlib.util
 

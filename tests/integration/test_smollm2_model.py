@@ -19,6 +19,8 @@ from rollq.ops.local.smollm2 import GGUF_FILE
 gguf = pytest.importorskip("gguf", reason="needs the models extra")
 transformers = pytest.importorskip("transformers", reason="needs the train extra")
 
+pytestmark = pytest.mark.slow  # the first run fetches (98 MB) and converts the model
+
 REAL_TEXT = [
     "Nothing is lost on a restart (Redis holds every group until a trainer acks it).",
     "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
