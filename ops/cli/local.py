@@ -29,7 +29,7 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
                         "SmolLM2-135M-Instruct (fetched and converted once: rollq model), in "
                         "its own chat format, from its own weights [digits]")
     parser.add_argument("--steps", type=int,
-                        help="trainer steps [60; sums 600; tools 180; smollm2 60]")
+                        help="trainer steps [60; sums 600; tools 180; smollm2 40]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
                         f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
                         "`bash .ci/setup.sh` makes]")

@@ -36,7 +36,7 @@ SERVER: dict[str, Any] = {"served_name": MODEL_NAME, "kv_cache_bytes": 512 * 102
 
 
 DEFAULTS: dict[str, Any] = {
-    "steps": 60, "batch_groups": 8, "group_size": 8, "max_tokens": 16, "lr": 5e-5,
+    "steps": 40, "batch_groups": 8, "group_size": 8, "max_tokens": 16, "lr": 5e-5,
     "kl_coef": 0.0, "torch_threads": 1, "eval_every": 10, "freeze_embeddings": True,
     "train_layers": 6, "checkpoint_every": 1000, "weight_sync": "transfer",
 }
