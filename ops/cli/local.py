@@ -38,13 +38,15 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --inference: the HF model directory that server serves "
                         "[smollm2: the converted SmolLM2 in the rollq cache]")
     parser.add_argument("--lr", type=float,
-                        help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3]")
+                        help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3; smollm2 5e-5]")
     parser.add_argument("--group-size", type=int, help="completions per group [8]")
     parser.add_argument("--batch-groups", type=int, help="groups per step [8; sums 16]")
-    parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20; tools 40]")
+    parser.add_argument("--max-tokens", type=int,
+                        help="max new tokens [24; sums 20; tools 40; smollm2 16]")
     parser.add_argument("--kl-coef", type=float,
                         help="KL term to the starting weights [0; sums 0.1; tools 0.05]")
-    parser.add_argument("--eval-every", type=int, help="sums, tools: evaluate every N steps [25]")
+    parser.add_argument("--eval-every", type=int,
+                        help="sums, tools, smollm2: evaluate every N steps [25; smollm2 10]")
     parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward (it must not rise)")
@@ -52,7 +54,7 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
                         help="how the trainer moves weights into vLLM: reload from disk, or "
                         "transfer through vLLM's weight-transfer API (rollq_tcp on CPU; with "
                         "--inference the server must run --weight-transfer-config "
-                        "'{\"backend\": \"rollq_tcp\"}') [reload]")
+                        "'{\"backend\": \"rollq_tcp\"}') [reload; smollm2 transfer]")
 
 
 VLLM_VENV = ".venv-vllm"
