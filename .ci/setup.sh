@@ -18,8 +18,7 @@ if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
-echo "setup: .venv (rollq + roles, dev, train, atropos, metrics, gem, skyrl and models
-#     extras)"
+echo "setup: .venv (rollq + roles, dev, train, atropos, metrics, gem, skyrl and models extras)"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install --quiet --upgrade pip
