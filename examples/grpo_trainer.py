@@ -36,8 +36,14 @@ of ``--model`` (the starting weights, also on resume): the k3 estimator
 ``exp(r - p) - (r - p) - 1`` per trainable token (p, r: the policy's and the reference's
 log-probabilities), averaged like the PPO term. It keeps a small model from collapsing onto
 one answer. ``--torch-threads 1`` leaves the other cores to a CPU vLLM server beside it.
+``--freeze-embeddings`` trains everything but the token embeddings and the output layer
+(a pretrained model's vocabulary stays put; on a 135M model it is 40 % of the weights, and
+the step is cheaper without their gradients and Adam state). ``--train-layers N`` trains
+only the last N transformer blocks and the final norm: the backward pass stops at the
+lowest of them, which on a CPU is most of a step's cost.
 
-Each step appends one JSON line to ``--metrics``. Runs on CPU here, on a GPU elsewhere
+Each step appends one JSON line to ``--metrics`` (with the seconds it waited for the batch,
+trained, and synced the weights). Runs on CPU here, on a GPU elsewhere
 (``--device cuda``).
 
 SIGINT (Ctrl-C) or SIGTERM: a step in progress finishes (trained, weights synced, acked),
@@ -111,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--is-geo-mask", type=float, nargs=2, default=(0.99, 1.01),
                         metavar=("LOW", "HIGH"),
                         help="geo: sequence geometric-mean ratios kept [0.99 1.01]")
+    parser.add_argument("--freeze-embeddings", action="store_true",
+                        help="do not train the token embeddings and the output layer")
+    parser.add_argument("--train-layers", type=int,
+                        help="train only the last N transformer blocks (and the final norm; "
+                             "with --freeze-embeddings, nothing below them) [all]")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads (1 beside a CPU vLLM server) [torch's default]")
     parser.add_argument("--flip-advantages", action="store_true",
@@ -145,10 +156,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   labels: torch.Tensor) -> torch.Tensor:
-    """log p(labels[t] | tokens[..t]) at every position t, shape [B, T]."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                   labels: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(labels[t] | tokens[..t]) at every position t, shape [B, T]. With ``mask``, only
+    where it is set (0 elsewhere): the output layer then runs on those positions alone,
+    which for a 49k-token vocabulary and prompts longer than the answers is most of the
+    forward's logits (and their memory) saved."""
+    if mask is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    hidden = model.get_decoder()(input_ids=input_ids,
+                                 attention_mask=attention_mask).last_hidden_state
+    where = mask.bool()
+    logits = model.get_output_embeddings()(hidden[where]).float()
+    chosen = torch.log_softmax(logits, dim=-1).gather(-1, labels[where].unsqueeze(-1))
+    return torch.zeros(mask.shape, dtype=chosen.dtype, device=chosen.device).masked_scatter(
+        where, chosen.squeeze(-1))
 
 
 def grpo_loss(logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -288,6 +310,19 @@ class StopSignals:
         return 130 if self.received == signal.SIGINT else 0
 
 
+def trainable(model: Any, args: argparse.Namespace) -> list[Any]:
+    """Freeze what ``--freeze-embeddings`` and ``--train-layers`` leave out; the parameters
+    that still train."""
+    if args.freeze_embeddings:
+        model.get_input_embeddings().requires_grad_(False)
+        model.get_output_embeddings().requires_grad_(False)
+    if args.train_layers is not None:  # HF decoders keep their blocks in .layers
+        blocks = model.get_decoder().layers
+        for block in blocks[:max(0, len(blocks) - args.train_layers)]:
+            block.requires_grad_(False)
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+
 def learning_rate(args: argparse.Namespace, step: int) -> float:
     """``--lr``, ramped linearly over the first ``--warmup-steps`` steps (``step`` from 1;
     from the step itself, so a resumed run carries on the ramp)."""
@@ -309,7 +344,7 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
     if args.flip_advantages:
         tensors["advantages"] = -tensors["advantages"]
     logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"],
-                              tensors["labels"])
+                              tensors["labels"], tensors["mask"])
     weights, stats = importance_weights(logprobs, tensors["sampler_logprobs"], tensors["mask"],
                                         correction)
     loss, ppo = grpo_loss(logprobs, tensors["sampler_logprobs"], tensors["advantages"],
@@ -320,7 +355,7 @@ def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
         with torch.no_grad():
             reference_logprobs = token_logprobs(
                 reference, tensors["input_ids"], tensors["attention_mask"],
-                tensors["labels"])
+                tensors["labels"], tensors["mask"])
         kl = kl_penalty(logprobs, reference_logprobs, tensors["mask"])
         loss = loss + args.kl_coef * kl
         stats["kl"] = float(kl.detach())
@@ -378,8 +413,7 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
     if args.kl_coef > 0:
         reference = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
         reference.to(args.device).eval().requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
-                                  lr=args.lr)
+    optimizer = torch.optim.AdamW(trainable(model, args), lr=args.lr)
     urls = tuple(u for u in args.inference.split(",") if u)
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
@@ -418,8 +452,11 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
             while step < args.steps and stop.received is None:
                 started = time.monotonic()
                 batch = client.next_batch(groups=args.batch_groups)  # a signal: Stopped
+                waited = time.monotonic() - started
                 with stop.finishing():  # a first signal lets the step finish
                     record = train_on(batch, step + 1, model, reference, optimizer, args)
+                    record |= {"wait_seconds": waited,
+                               "train_seconds": time.monotonic() - started - waited}
                     sync_weights(client, step + 1, model, weights_dir, args)
                     batch.ack()
                     step += 1  # done: only now may a stop save it

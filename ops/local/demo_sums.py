@@ -38,8 +38,9 @@ class SumsEvaluation:
             log.write(json.dumps(row) + "\n")
         failures = ", ".join(f"{why} {count}" for why, count in
                              row.get("train_failures", {}).items())  # tools: why not well formed
+        shape = f"  format {row['train_format']:.3f}" if "train_format" in row else ""
         self.say(f"eval at step {step:>4}: train accuracy {row['train_accuracy']:.3f}  "
-                 f"held-out {row['heldout_accuracy']:.3f}  format {row['train_format']:.3f}"
+                 f"held-out {row['heldout_accuracy']:.3f}{shape}"
                  + (f" ({failures})" if failures else ""))
 
     def due(self, step: int) -> bool:
@@ -53,8 +54,10 @@ class SumsEvaluation:
 
 @contextlib.contextmanager
 def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], None], *,
-                    every: int, max_tokens: int) -> Iterator[SumsEvaluation | None]:
-    """Evaluations every ``every`` steps for the ``sums`` task; None for any other task."""
+                    every: int, max_tokens: int, reward: Path = SUMS_REWARD
+                    ) -> Iterator[SumsEvaluation | None]:
+    """Evaluations every ``every`` steps for the ``sums`` task (scored by ``reward``); None
+    for any other task."""
     if task != "sums":
         yield None
         return
@@ -62,7 +65,7 @@ def sums_evaluation(task: str, inference: str, out: Path, say: Callable[[str], N
     from rollq.ops.local.evaluate import Evaluator
     from rollq.producers.envs.sums import sums_env
 
-    config = RewardConfig.from_yaml(SUMS_REWARD)
+    config = RewardConfig.from_yaml(reward)
     with Evaluator(inference, served_model(inference), config,
                    max_tokens=max_tokens) as evaluator:
         problems = {split: evaluator.problems(sums_env(split=split))
@@ -102,7 +105,7 @@ def learning_curves(steps: list[dict[str, Any]], evals: list[dict[str, Any]]) ->
                   "seconds": [round(max(0.0, e["time"] - began), 2) for e in evals],
                   "train_accuracy": [e["train_accuracy"] for e in evals],
                   "heldout_accuracy": [e["heldout_accuracy"] for e in evals],
-                  "train_format": [e["train_format"] for e in evals]},
+                  "train_format": [e.get("train_format") for e in evals]},
         "steps_per_s": round(len(steps) / max(1e-9, steps[-1]["time"] - began), 4),
         "format_min": min((f for f in formats if f is not None), default=None),
         "format_min_10": _rolling_min(formats, 10),
@@ -142,8 +145,10 @@ def plot_learning(steps: list[dict[str, Any]], evals: list[dict[str, Any]], path
                   linewidth=1, label="format reward (batch)")
     axis.plot(curves["steps"]["step"], curves["steps"]["batch_accuracy"], color="tab:blue",
               alpha=0.35, linewidth=1, label="accuracy, sampled (batch)")
-    axis.plot(curves["evals"]["step"], curves["evals"]["train_format"], color="tab:gray",
-              linestyle="--", marker=".", label=f"format, {train} training problems (greedy)")
+    if any(value is not None for value in curves["evals"]["train_format"]):  # smollm2 has none
+        axis.plot(curves["evals"]["step"], curves["evals"]["train_format"], color="tab:gray",
+                  linestyle="--", marker=".",
+                  label=f"format, {train} training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["train_accuracy"], color="tab:blue",
               marker="o", label=f"accuracy, {train} training problems (greedy)")
     axis.plot(curves["evals"]["step"], curves["evals"]["heldout_accuracy"], color="tab:orange",

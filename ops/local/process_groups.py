@@ -5,8 +5,8 @@ Cluster's nodes, the tests' and benchmarks' API servers) are started with
 ``start_new_session=True``, so the child leads a process group that also holds what it
 forks (vLLM's EngineCore, say). Signalling that group, not the pid alone, leaves nothing
 behind: ``stop_group`` asks politely (SIGTERM, then SIGKILL after a grace period),
-``kill_group`` does what a crash would. ``Processes`` starts the demo's roles that way, each
-logging to its own file, and stops them in reverse order.
+``kill_group`` does what a crash would. ``Processes`` keeps a set of such children with
+their logs (the demo's roles), checks that none died, and stops them all.
 """
 
 from __future__ import annotations

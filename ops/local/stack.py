@@ -101,10 +101,14 @@ class VllmProcess:
                  served_name: str = "rollq-tiny", port: int | None = None,
                  max_model_len: int = 512, compile_cache: Path | None = None,
                  weight_transfer: str | None = None, extra_args: Sequence[str] = (),
-                 environment: Mapping[str, str] | None = None) -> None:
+                 environment: Mapping[str, str] | None = None,
+                 kv_cache_bytes: int = 64 * 1024 * 1024, dtype: str = "float32") -> None:
         self.python = python
         self.environment = dict(environment or {})
         """More environment variables for the server (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``…)."""
+        self.kv_cache_bytes = kv_cache_bytes
+        """vLLM's KV cache (64 MiB: ~3,000 tokens of the tiny model; a real model needs more)."""
+        self.dtype = dtype
         self.weight_transfer = weight_transfer
         """A weight-transfer backend to serve with (``rollq_tcp``: rollq's CPU plugin)."""
         self.extra_args = list(extra_args)
@@ -136,9 +140,9 @@ class VllmProcess:
             self.process = subprocess.Popen(
                 [self.python, "-m", "vllm.entrypoints.openai.api_server",
                  "--model", str(self.model_dir), "--served-model-name", self.served_name,
-                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
                  "--max-model-len", str(self.max_model_len), "--enforce-eager",
-                 "--kv-cache-memory-bytes", str(64 * 1024 * 1024),
+                 "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
                  *(["--weight-transfer-config", json.dumps({"backend": self.weight_transfer})]
                    if self.weight_transfer else []),
                  *self.extra_args],

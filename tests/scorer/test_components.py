@@ -62,6 +62,21 @@ def test_unparseable_gold_follows_policy(kind: str, policy: str, expected: float
                           on_unparseable_gold=policy) == expected
 
 
+@pytest.mark.parametrize(("text", "expected", "plain"), [
+    ("The answer is 7.", 0.0, 1.0),
+    ("3 + 4 = 7", 0.0, 1.0),
+    ("7", 0.0, 1.0),
+    ("The sum of 3 and 4 is 8. In mathematics", 0.0, 0.0),
+    ("so \\boxed{7}", 1.0, 1.0),
+])
+def test_math_reads_plain_answers_only_when_asked(text: str, expected: float,
+                                                  plain: float) -> None:
+    """An instruct model's own replies (SmolLM2's sums): LaTeX-only extraction reads none
+    of them, ``plain_answers`` reads the first answer."""
+    assert score_accuracy(text, "\\boxed{7}", kind="math") == expected
+    assert score_accuracy(text, "\\boxed{7}", kind="math", plain_answers=True) == plain
+
+
 def test_math_answer_region_needs_closing_delimiter() -> None:
     unclosed = "<think>I think it is \\boxed{2}"
     assert score_accuracy(unclosed, "$2$", kind="math", answer_region="whole") == 1.0

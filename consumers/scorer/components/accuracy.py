@@ -28,6 +28,10 @@ class AccuracySettings(ComponentSettings):
     - `answer_region`: `whole` reads the whole completion (open-r1 accuracy); `answer`
       reads only the text after the reasoning trace and scores 0.0 when the trace has no
       closing delimiter (TRL `reasoning_accuracy`).
+    - `plain_answers` (math): also read an answer written as plain text or a bare
+      expression (`The answer is 7.`, `3 + 4 = 7`: math-verify's `ExprExtractionConfig`
+      beside the LaTeX one), as an instruct model replies when not asked for `\\boxed{}`;
+      off, only LaTeX answers count (`\\boxed{7}`, `$7$`: open-r1's accuracy).
     - `parsing_timeout_s`, `verify_timeout_s`: math-verify's own signal-based timeouts
       (whole seconds; None disables them). They only work in a main thread, which a pool
       worker is; the bridge's per-call `timeout_s` is the hard limit either way.
@@ -37,6 +41,7 @@ class AccuracySettings(ComponentSettings):
     gold_field: str = "answer"
     on_unparseable_gold: Literal["skip", "zero", "correct"] = "skip"
     answer_region: Literal["whole", "answer"] = "whole"
+    plain_answers: bool = False
     parsing_timeout_s: int | None = Field(default=5, ge=1)
     verify_timeout_s: int | None = Field(default=5, ge=1)
 
@@ -126,7 +131,7 @@ class Accuracy(RewardComponent[AccuracySettings]):
         gold_parsed = _parsed_gold(gold, timeout)
         if len(gold_parsed) == 0:
             return _UNPARSEABLE[self.settings.on_unparseable_gold]
-        answer = parse(text, extraction_config=_answer_extraction(),
+        answer = parse(text, extraction_config=_answer_extraction(self.settings.plain_answers),
                        extraction_mode="first_match", parsing_timeout=timeout)
         return float(verify(gold_parsed, answer, timeout_seconds=self.settings.verify_timeout_s))
 
@@ -159,16 +164,18 @@ def _parsed_gold(gold: str, timeout: int | None) -> list[Any]:
 
 
 @functools.cache
-def _answer_extraction() -> tuple[Any, ...]:
+def _answer_extraction(plain_answers: bool = False) -> tuple[Any, ...]:
     """open-r1's extraction settings for the completion (built once: building them logs a
-    deprecation notice each time, for ``equations=True``)."""
-    from math_verify import LatexExtractionConfig, LatexNormalizationConfig
+    deprecation notice each time, for ``equations=True``); with ``plain_answers``,
+    math-verify's plain-expression extraction beside them."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, LatexNormalizationConfig
 
-    return (LatexExtractionConfig(
+    latex = LatexExtractionConfig(
         normalization_config=LatexNormalizationConfig(
             nits=False, malformed_operators=False, basic_latex=True,
             equations=True, boxed="all", units=True,
         ),
         boxed_match_priority=0,
         try_extract_without_anchor=False,
-    ),)
+    )
+    return (latex, ExprExtractionConfig()) if plain_answers else (latex,)
