@@ -30,6 +30,7 @@ import annotated_types
 from pydantic import BaseModel
 
 from rollq.consumers.trainer.settings import TrainerClientSettings
+from rollq.ops.setting_fields import default_value, env_name
 from rollq.ops.settings import (
     AtroposApiSettings,
     CommonSettings,
@@ -38,8 +39,6 @@ from rollq.ops.settings import (
     ReaderTuning,
     ScorerSettings,
     WorkerSettings,
-    default_value,
-    env_name,
 )
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "reference" / "settings.md"

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from types import NoneType, UnionType
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, get_origin
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -36,15 +35,13 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from rollq.consumers.bus import ReaderSettings
+from rollq.ops.setting_fields import env_name, flag_name, value_type
 from rollq.schemas import ConfigError
 from rollq.schemas.keys import check_run_name
 
 S = TypeVar("S", bound="CommonSettings")
-ENV_PREFIX = "ROLLQ_"
 
 
 class CommonSettings(BaseModel):
@@ -450,37 +447,6 @@ def load_settings(
             origin = sources.get(str(error["loc"][0]), "default") if error["loc"] else "?"
             problems.append(f"{where} (from {origin}): {error['msg']}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
-
-
-def flag_name(name: str, field: FieldInfo) -> str:
-    """A setting's command-line flag: its name with dashes (``redis_url``: ``--redis-url``);
-    a mapping's flag is singular and repeatable (``env_options``: ``--env-option KEY=VALUE``)."""
-    if get_origin(value_type(field)) is dict:
-        name = name.removesuffix("s")
-    return "--" + name.replace("_", "-")
-
-
-def env_name(name: str) -> str:
-    """A setting's environment variable: ``ROLLQ_`` and its name in capitals."""
-    return ENV_PREFIX + name.upper()
-
-
-def value_type(field: FieldInfo) -> Any:
-    """A field's type without ``None`` (``int | None``: ``int``); pydantic keeps an
-    ``Annotated`` field's checks in ``field.metadata``, so this is the bare type."""
-    annotation = field.annotation
-    if get_origin(annotation) in (Union, UnionType):
-        rest = [arg for arg in get_args(annotation) if arg is not NoneType]
-        if len(rest) == 1:
-            return rest[0]
-    return annotation
-
-
-def default_value(field: FieldInfo) -> Any:
-    """A field's default, its factory called (every settings factory takes no argument)."""
-    if field.default is PydanticUndefined and field.default_factory is not None:
-        return field.default_factory()  # type: ignore[call-arg]
-    return field.default
 
 
 def roles() -> dict[str, type[CommonSettings]]:

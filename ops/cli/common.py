@@ -1,7 +1,7 @@
 """What every rollq command shares: exit codes, the settings flags, settings and a client.
 
 A role's flags are not written by hand: ``add_settings_flags`` makes one flag per field of
-the settings model the command builds (``ops.settings.flag_name``), its help the field's
+the settings model the command builds (``ops.setting_fields.flag_name``), its help the field's
 docstring, and ``settings_for`` reads them back. The command modules (``ops.cli.roles``,
 ``inspect``, ``dead``, ``runs``, ``servers``, ``local``) import these from here and
 ``ops.cli`` puts them together into the parser: ``ops.cli`` -> command modules -> here.
@@ -23,14 +23,8 @@ import yaml
 from pydantic.fields import FieldInfo
 
 from rollq.ops.logging import configure_logging
-from rollq.ops.settings import (
-    CommonSettings,
-    default_value,
-    env_name,
-    flag_name,
-    load_settings,
-    value_type,
-)
+from rollq.ops.setting_fields import default_value, env_name, flag_name, value_type
+from rollq.ops.settings import CommonSettings, load_settings
 from rollq.schemas import ConfigError
 
 
