@@ -28,7 +28,7 @@ from tests.budget import record_figures
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = 30
 RIGHT_FRACTION = 0.3
