@@ -214,7 +214,7 @@ def write_tiny_model(directory: Path, *, seed: int = 0, shape: str | None = None
     config = Qwen2Config(  # type: ignore[call-arg]  # transformers' stubs lag its kwargs
         vocab_size=vocab_size,
         **SHAPES[shape or ("qwen3-tiny" if qwen3 else "tiny")],
-        max_position_embeddings=1024,
+        max_position_embeddings=2048 if qwen3 else 1024,  # room for Qwen3's tools block
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=qwen3,

@@ -60,6 +60,7 @@ from typing import Any, Literal
 
 import structlog
 
+from rollq.producers.inference.capture.reasoning import split_reasoning, thinking_on
 from rollq.producers.inference.capture.record import (
     CapturedCall,
     CapturedEpisode,
@@ -345,18 +346,54 @@ class EpisodeCapture:
                 return served
             return await self.upstream.render(messages, tools=tools, template_options=options)
 
+        reply_at = len(parent.messages)
         rendered, through, turn_end = await asyncio.gather(
             text_path(),
-            self.upstream.render(messages[:len(parent.messages) + 1], tools=tools,
+            self.upstream.render(messages[:reply_at + 1], tools=tools,
                                  add_generation_prompt=False, template_options=options),
             self.upstream.turn_end())
-        if rendered[:len(through)] != through:
+        if rendered[:len(through)] == through:
+            tail: list[int] | None = rendered[len(through):]
+        else:  # the template renders the reply by its place (Qwen3: <think> kept when last)
+            tail = await self._tail_after(messages, reply_at, rendered, turn_end,
+                                          tools=tools, options=options)
+        if tail is None:
             log.info("capture_splice_skipped", episode=self.episode_id,
                      reason="the template renders the conversation's prefix differently")
             return None, rendered
         spliced = [*parent.prompt_ids, *parent.completion_ids,
-                   *close_turn(parent.completion_ids, turn_end), *rendered[len(through):]]
+                   *close_turn(parent.completion_ids, turn_end), *tail]
         return spliced, rendered
+
+    async def _tail_after(self, messages: list[dict[str, Any]], reply_at: int,
+                          rendered: list[int], turn_end: list[int], *,
+                          tools: Any, options: dict[str, Any]) -> list[int] | None:
+        """What the template writes after the reply at ``reply_at`` when a rendering of the
+        conversation up to that reply is not a prefix of the whole (a template that renders
+        an assistant turn differently once it is no longer the last, as Qwen3's drops the
+        ``<think>`` block of turns before the last user query): the whole conversation is
+        rendered twice with that reply replaced by two different one-token contents; the
+        renders' common suffix is the turn end, then the rest. None when that does not
+        hold (the caller then sends the call as chat)."""
+        renders = []
+        for marker in ("0", "1"):
+            changed = [*messages[:reply_at], {"role": "assistant", "content": marker},
+                       *messages[reply_at + 1:]]
+            try:
+                renders.append(await self.upstream.render(changed, tools=tools,
+                                                          template_options=options))
+            except InferenceRequestError:  # the template refuses the stand-in
+                return None
+        first, second = renders
+        common = 0
+        while (common < min(len(first), len(second))
+               and first[len(first) - 1 - common] == second[len(second) - 1 - common]):
+            common += 1
+        suffix = first[len(first) - common:]
+        if (not turn_end or suffix[:len(turn_end)] != turn_end
+                or rendered[len(rendered) - common:] != suffix):
+            return None
+        return suffix[len(turn_end):]
 
     async def _chat_token_in(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
         request = {key: body[key] for key in TOKEN_IN_FIELDS if key in body}
@@ -371,9 +408,12 @@ class EpisodeCapture:
             "return_token_ids": True})
         [sample] = parse_completions(reply)
         content: str | None = sample.text
+        reasoning: str | None = None
+        if self._server_reasons() and thinking_on(body):
+            reasoning, content = split_reasoning(sample.text)
         tool_calls: list[dict[str, Any]] = []
-        if tools_on and self.tool_parser == "hermes":
-            content, tool_calls = parse_hermes(sample.text)
+        if tools_on and self.tool_parser == "hermes" and content is not None:
+            content, tool_calls = parse_hermes(content)
         tops = (reply["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
         entries = [{"token": f"token_id:{token}", "logprob": logprob, "bytes": None,
                     "top_logprobs": [{"token": t, "logprob": lp, "bytes": None}
@@ -382,6 +422,8 @@ class EpisodeCapture:
                    for i, (token, logprob) in enumerate(zip(sample.completion_ids,
                                                             sample.logprobs, strict=True))]
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning"] = reasoning
         if tools_on:
             message["tool_calls"] = tool_calls
         return {
@@ -393,6 +435,12 @@ class EpisodeCapture:
                          "token_ids": sample.completion_ids}],
             "usage": reply.get("usage"), "prompt_token_ids": prompt_ids,
         }
+
+    def _server_reasons(self) -> bool:
+        """Whether the server runs a reasoning parser: one of the episode's replies from its
+        chat route came with ``reasoning``."""
+        return any(call.message is not None and not call.token_in
+                   and call.message.get("reasoning") is not None for call in self.calls)
 
     def _text_parent(self, prompt: str) -> tuple[CapturedCall | None, str]:
         best: CapturedCall | None = None
