@@ -41,7 +41,7 @@ from rollq.producers.inference import SamplingParams
 from rollq.producers.inference.capture import RemoteGateway
 from rollq.schemas import TrajectoryGroup, decode_trajectory
 from rollq.schemas.keys import stream_key
-from tests.agents.agents import CALCULATOR, calculate
+from tests.agents.agents import calculate
 from tests.agents.helpers import kept_replies, served, trainable_runs
 from tests.agents.pipeline import run_workers
 from tests.agents.test_vllm_agents import served_gateway
@@ -58,6 +58,11 @@ IM_START, TOOL_RESPONSE, THINK, THINK_END, TOOL_CALL = 151644, 151665, 151667, 1
 SINGLE_TAGS = {str(token): 10.0 for token in (THINK, THINK_END, TOOL_CALL, TOOL_CALL + 1)}
 """``logit_bias``: where the regex allows ``<think>`` the model writes the added token."""
 NO_THINKING = {"enable_thinking": False}
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {
+        "type": "string", "enum": ["6*7", "2+3", "4*5"]}}, "required": ["expression"]}}}
+"""An enum keeps a guided call (``tool_choice`` required or named) short on random weights."""
 TABLE: dict[str, dict[str, int]] = {}
 """Per trap, what the episode path trained and what a re-render would have (printed)."""
 
@@ -83,8 +88,8 @@ class TrapAgent:
     the agent saw it (content, reasoning, tool calls, finish reason) and ``history`` the
     last messages it held (the re-render compares against them)."""
 
-    def __init__(self, trap: str) -> None:
-        self.trap = trap
+    def __init__(self, trap: str, model: str = SERVED) -> None:
+        self.trap, self.model = trap, model
         self.seen: list[tuple[Any, ...]] = []
         self.history: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] | None = None
@@ -94,7 +99,8 @@ class TrapAgent:
                   fields: dict[str, Any]) -> dict[str, Any]:
         if self.tools:
             fields = {"tools": self.tools, **fields}
-        reply = await client.chat.completions.create(model=SERVED, messages=messages, **fields)
+        reply = await client.chat.completions.create(model=self.model, messages=messages,
+                                                     **fields)
         choice = reply.choices[0]
         message = choice.message.model_dump(exclude_none=True)
         calls = [(c["function"]["name"], c["function"]["arguments"])
@@ -136,10 +142,8 @@ class TrapAgent:
             self.tools = [CALCULATOR]
             named = {"type": "function", "function": {"name": "calculator"}}
             for turn, choice in enumerate(["required", named, "required"]):
-                message = await self.ask(client, messages, {
-                    "seed": 100 + turn, "max_tokens": 48, "tool_choice": choice})
-                assert message.get("tool_calls"), message  # honoured on every turn
-                self.answer_calls(messages, message)
+                self.answer_calls(messages, await self.ask(client, messages, {
+                    "seed": 100 + turn, "max_tokens": 48, "tool_choice": choice}))
         elif self.trap == "edited-history":  # rewrites a tool result, then drops turns
             self.tools, self.template_options = [CALCULATOR], NO_THINKING
             self.answer_calls(messages, await self.ask(client, messages, forced(
@@ -149,6 +153,15 @@ class TrapAgent:
             messages.append(await self.ask(client, messages, forced("it is 41", 2, **off)))
             messages = [messages[0], {"role": "user", "content": "Just 42?"}]  # a turn dropped
             messages.append(await self.ask(client, messages, forced("yes", 3, **off)))
+        elif self.trap == "chatml-turns":  # SmolLM2: plain turns, one edited, one cut short
+            for turn, text in enumerate(["Six times seven is 42.", "Yes, 42."]):
+                messages.append(await self.ask(client, messages, forced(text, turn)))
+                messages.append({"role": "user", "content": "Are you sure?"})
+            messages.append(await self.ask(client, messages, {
+                **forced("I am sure, it is 42.", 2), "max_tokens": 3}))
+            messages = [{"role": "user", "content": "What is 6 times 7?"}, *messages[1:]]
+            messages.append({"role": "user", "content": "Go on."})
+            messages.append(await self.ask(client, messages, forced("42.", 3)))
         elif self.trap == "length-in-call":  # max_tokens stops inside the <tool_call>
             self.tools, self.template_options = [CALCULATOR], NO_THINKING
             message = await self.ask(client, messages, {
@@ -170,8 +183,8 @@ PATHS = ["episode", "gateway", "session"]
 class TrapEnv:
     """The trap agent as an ``AgentEnv`` (the worker's episode path)."""
 
-    def __init__(self, trap: str) -> None:
-        self.name, self.trap = f"qwen3-{trap}", trap
+    def __init__(self, trap: str, model: str) -> None:
+        self.name, self.trap, self.model = f"trap-{trap}", trap, model
         self.agents: list[TrapAgent] = []
 
     def __len__(self) -> int:
@@ -182,13 +195,13 @@ class TrapEnv:
 
     async def run_episode(self, client: Any, item: Item, *,
                           sampling: SamplingParams) -> EpisodeResult:
-        self.agents.append(TrapAgent(self.trap))
+        self.agents.append(TrapAgent(self.trap, self.model))
         return EpisodeResult(reward=await self.agents[-1].run(client))
 
     async def run(self, data: dict[str, Any], *, base_url: str,
                   http_client: httpx.AsyncClient | None = None, **extra: Any) -> float:
         """The same agent as a workflow (the gateway path)."""
-        self.agents.append(TrapAgent(self.trap))
+        self.agents.append(TrapAgent(self.trap, self.model))
         async with openai.AsyncOpenAI(base_url=base_url, api_key="none",
                                       max_retries=0) as client:
             return await self.agents[-1].run(client)
@@ -198,7 +211,9 @@ class TrapEnv:
 def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProcess]:
     """The tiny random model under Qwen3's tokenizer and template, with vLLM's ``hermes``
     tool parser and ``qwen3`` reasoning parser; structured outputs apply from the first
-    token (``enable_in_reasoning``: the regexes force the ``<think>`` block itself)."""
+    token (``enable_in_reasoning``: the regexes force the ``<think>`` block itself), and JSON
+    is compact (``disable_any_whitespace``: a random model's guided tool call otherwise fills
+    its budget with whitespace)."""
     from rollq.ops.local.tiny_model import write_tiny_model
 
     model = write_tiny_model(tmp_path_factory.mktemp("qwen3") / SERVED, tokenizer="qwen3")
@@ -209,13 +224,14 @@ def qwen3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmProce
         compile_cache=Path(python).resolve().parent.parent / "inductor-cache",
         extra_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                     "--reasoning-parser", "qwen3", "--structured-outputs-config",
-                    json.dumps({"enable_in_reasoning": True})]).start(timeout_s=400)
+                    json.dumps({"backend": "xgrammar", "enable_in_reasoning": True,
+                                "disable_any_whitespace": True})]).start(timeout_s=400)
     yield server
     server.stop()
 
 
-async def direct_replies(url: str, trap: str) -> TrapAgent:
-    agent = TrapAgent(trap)
+async def direct_replies(url: str, trap: str, model: str) -> TrapAgent:
+    agent = TrapAgent(trap, model)
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none",
                                   max_retries=0) as client:
         await agent.run(client)
@@ -226,7 +242,7 @@ async def through(path: str, trap: str, server: VllmProcess, redis_server: Redis
                   redis: aioredis.Redis) -> tuple[TrajectoryGroup, RecordingTransport,
                                                   list[TrapAgent]]:
     recorder = RecordingTransport()
-    env = TrapEnv(trap)
+    env = TrapEnv(trap, server.served_name)
     if path == "episode":
         [group] = await run_workers(redis_server.url, redis, ClientEpisodeEnv(env), None, [0],
                                     inference_url=server.url, transport=recorder,
@@ -247,7 +263,7 @@ async def through(path: str, trap: str, server: VllmProcess, redis_server: Redis
                          ).json()["sessions"]
             async with openai.AsyncOpenAI(base_url=session["base_url"], api_key="x",
                                           max_retries=0) as client:
-                env.agents.append(TrapAgent(trap))
+                env.agents.append(TrapAgent(trap, server.served_name))
                 reward = await env.agents[-1].run(client)
             closed = await http.post(f"/sessions/{session['session_id']}/close",
                                      json={"reward": reward})
@@ -285,8 +301,12 @@ def rerender_figures(model_dir: Path, agent: TrapAgent, group: TrajectoryGroup
     last = group.completions[-1]
     captured = [*group.prompt_ids, *last.completion_ids.tolist()]
     mask = [0] * len(group.prompt_ids) + last.loss_mask.tolist()
+    conversation = [{**message, "content": message.get("content") or "",
+                     **({"reasoning_content": message["reasoning"]}
+                        if message.get("reasoning") is not None else {})}
+                    for message in agent.history]  # as vLLM hands them to the template
     rerendered = tokenizer.apply_chat_template(
-        agent.history, tools=agent.tools, tokenize=True, return_dict=False,
+        conversation, tools=agent.tools, tokenize=True, return_dict=False,
         **agent.template_options)
     matcher = difflib.SequenceMatcher(a=captured, b=list(rerendered), autojunk=False)
     lost = sum(sum(mask[i1:i2]) for tag, i1, i2, _, _ in matcher.get_opcodes()
@@ -301,26 +321,41 @@ def rerender_figures(model_dir: Path, agent: TrapAgent, group: TrajectoryGroup
             "sampled_lost": lost, "unsampled_in_rerender": unsampled}
 
 
+async def run_trap(server: VllmProcess, trap: str, redis_server: RedisServer,
+                   redis: aioredis.Redis) -> dict[str, Any]:
+    """The trap straight to vLLM, then through every path: the same replies, exact
+    tokens (``check_exact``); per path the group, the replies kept and the episode's stats;
+    the re-render figures of the episode path in ``TABLE``."""
+    started = time.monotonic()
+    direct = await direct_replies(server.url, trap, server.served_name)
+    runs: dict[str, Any] = {"direct": direct}
+    for path in PATHS:
+        await redis.flushall()
+        group, recorder, agents = await through(path, trap, server, redis_server, redis)
+        [agent] = agents
+        assert agent.seen == direct.seen, (path, agent.seen, direct.seen)
+        kept = check_exact(group, recorder)
+        stats = group.completions[0].info["capture"]  # the episode's, on each sequence
+        assert stats["calls"] == len(agent.seen)
+        runs[path] = (group, kept, stats, recorder)
+        if path == "episode":
+            TABLE[trap] = rerender_figures(server.model_dir, agent, group)
+    print(f"{trap}: {time.monotonic() - started:.1f} s, {TABLE.get(trap)}")
+    return runs
+
+
 @pytest.mark.parametrize("trap", TRAPS)
 async def test_qwen3_template_traps_are_token_exact_on_every_path(
         qwen3_server: VllmProcess, redis_server: RedisServer, real_redis: aioredis.Redis,
         trap: str) -> None:
-    started = time.monotonic()
-    direct = await direct_replies(qwen3_server.url, trap)
+    runs = await run_trap(qwen3_server, trap, redis_server, real_redis)
+    direct = runs["direct"]
     for path in PATHS:
-        await real_redis.flushall()
-        group, recorder, agents = await through(path, trap, qwen3_server, redis_server,
-                                                real_redis)
-        [agent] = agents
-        assert agent.seen == direct.seen, (path, agent.seen, direct.seen)
-        kept = check_exact(group, recorder)
-        calls = sum(c.info["capture"]["calls"] for c in group.completions)
-        assert calls == len(agent.seen)
+        group, kept, stats, recorder = runs[path]
         sequences = len(group.completions)
         if trap in ("thinking-on", "thinking-off", "tool-calls", "length-in-call"):
             assert sequences == 1  # every turn spliced onto what was sampled
-            token_in = sum(c.info["capture"]["token_in"] for c in group.completions)
-            assert token_in >= 1  # the template re-rendered the history differently
+            assert stats["token_in"] >= 1  # the template re-rendered the history differently
         if trap == "thinking-on":  # each turn's <think> trained as sampled
             [completion] = group.completions
             think = [t for t, m in zip(completion.completion_ids.tolist(),
@@ -333,11 +368,14 @@ async def test_qwen3_template_traps_are_token_exact_on_every_path(
                 assert THINK not in ids and THINK_END not in ids
         if trap == "edited-history":
             assert sequences == 3  # the rewrite and the cut each open a new sequence
-        if trap == "tool-choice":
-            fallback = sum(c.info["capture"]["chat_fallback"] for c in group.completions)
-            assert fallback == sequences - 1  # each continuation went as chat, as sent
+        if trap == "tool-choice":  # each continuation went as chat, as sent: its own sequence
+            assert stats["chat_fallback"] == sequences - 1
+            asked = [(body.get("tool_choice"), reply["choices"][0])
+                     for route, body, reply in recorder.exchanges if route in GENERATION]
+            assert [choice for choice, _ in asked] == [
+                "required", {"type": "function", "function": {"name": "calculator"}},
+                "required"]  # honoured: every call went to vLLM's guided chat route
+            for _, choice in asked:  # a guided call, unless the budget cut it short
+                assert choice["message"].get("tool_calls") or choice["finish_reason"] == "length"
         if trap == "length-in-call":
             assert direct.seen[0][3] == "length" and direct.seen[0][2] == []
-        if path == "episode":
-            TABLE[trap] = rerender_figures(qwen3_server.model_dir, agent, group)
-    print(f"{trap}: {time.monotonic() - started:.1f} s, {TABLE.get(trap)}")
