@@ -75,7 +75,7 @@ def call_regex(*expressions: str) -> str:
 
 
 def forced(regex: str, turn: int, **fields: Any) -> dict[str, Any]:
-    return {"seed": 100 + turn, "max_tokens": 64, "logit_bias": SINGLE_TAGS,
+    return {"seed": 100 + turn, "max_tokens": 64,
             "extra_body": {"structured_outputs": {"regex": regex}, **fields}}
 
 
@@ -99,6 +99,8 @@ class TrapAgent:
                   fields: dict[str, Any]) -> dict[str, Any]:
         if self.tools:
             fields = {"tools": self.tools, **fields}
+        if self.model == SERVED and "extra_body" in fields:  # a forced turn of Qwen3
+            fields = {"logit_bias": SINGLE_TAGS, **fields}
         reply = await client.chat.completions.create(model=self.model, messages=messages,
                                                      **fields)
         choice = reply.choices[0]
@@ -149,7 +151,7 @@ class TrapAgent:
             self.answer_calls(messages, await self.ask(client, messages, forced(
                 call_regex("6*7"), 0, **off)))
             messages.append(await self.ask(client, messages, forced("it is 42", 1, **off)))
-            messages = messages[:2] + [{**messages[2], "content": "41"}]  # rewritten, cut
+            messages = [*messages[:2], {**messages[2], "content": "41"}]  # rewritten, cut
             messages.append(await self.ask(client, messages, forced("it is 41", 2, **off)))
             messages = [messages[0], {"role": "user", "content": "Just 42?"}]  # a turn dropped
             messages.append(await self.ask(client, messages, forced("yes", 3, **off)))

@@ -16,7 +16,10 @@ On the way:
   ``/tokenize`` of the messages, with ``tools``, or the same ids from a ``LocalTemplate``
   in this process, ``capture.render``) and compared with the *spliced* prompt:
   the earlier call's exact prompt and completion ids, the template's turn end the model did
-  not emit, then the rendering of the new messages (``rendered[len(through reply):]``). If
+  not emit, then the rendering of the new messages (``rendered[len(through reply):]``; when
+  the template renders the reply by its place, as Qwen3 drops an earlier turn's ``<think>``,
+  the common suffix of two renders with the reply replaced by stand-ins, ``_tail_after``;
+  a token-in reply splits reasoning as vLLM does, ``capture.reasoning``). If
   they differ (the template re-renders the earlier reply: BPE re-tokenisation, stripped
   reasoning, reformatted tool-call JSON), the call is sent **token-in**: the spliced ids to
   ``/v1/completions``, its reply turned into a chat message (tool calls parsed, Hermes
