@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from rollq.producers.inference.capture.toolcalls import parse_hermes
+
 THINK_START, THINK_END, TOOL_START = "<think>", "</think>", "<tool_call>"
 
 
@@ -32,3 +34,20 @@ def split_reasoning(text: str) -> tuple[str | None, str | None]:
     reasoning = reasoning.replace(THINK_START, "")
     content = content.replace(THINK_END, "")
     return reasoning or None, content or None
+
+
+def assistant_message(text: str, *, reasoning: bool, tools: bool,
+                      tool_parser: str | None) -> dict[str, Any]:
+    """The chat message vLLM's parsers make of generated ``text``: its reasoning split off
+    when ``reasoning`` (module docstring); with ``tools`` a ``tool_calls`` list, parsed
+    when ``tool_parser`` is ``"hermes"`` (``capture.toolcalls``)."""
+    thought, content = split_reasoning(text) if reasoning else (None, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thought is not None:
+        message["reasoning"] = thought
+    if tools:
+        calls: list[dict[str, Any]] = []
+        if tool_parser == "hermes" and content is not None:
+            message["content"], calls = parse_hermes(content)
+        message["tool_calls"] = calls
+    return message

@@ -18,7 +18,7 @@ On the way:
   the earlier call's exact prompt and completion ids, the template's turn end the model did
   not emit, then the rendering of the new messages (``rendered[len(through reply):]``; when
   the template renders the reply by its place, as Qwen3 drops an earlier turn's ``<think>``,
-  the common suffix of two renders with the reply replaced by stand-ins, ``_tail_after``;
+  the common suffix of two renders with the reply replaced by stand-ins, ``capture.splice``;
   a token-in reply splits reasoning as vLLM does, ``capture.reasoning``). If
   they differ (the template re-renders the earlier reply: BPE re-tokenisation, stripped
   reasoning, reformatted tool-call JSON), the call is sent **token-in**: the spliced ids to
@@ -63,14 +63,14 @@ from typing import Any, Literal
 
 import structlog
 
-from rollq.producers.inference.capture.reasoning import split_reasoning, thinking_on
+from rollq.producers.inference.capture.reasoning import assistant_message, thinking_on
 from rollq.producers.inference.capture.record import (
     CapturedCall,
     CapturedEpisode,
     CaptureStats,
     assemble_sequences,
 )
-from rollq.producers.inference.capture.toolcalls import parse_hermes
+from rollq.producers.inference.capture.splice import tail_after
 from rollq.producers.inference.capture.upstream import Upstream
 from rollq.producers.inference.errors import InferenceRequestError
 from rollq.producers.inference.parse import parse_chat, parse_completions
@@ -358,8 +358,8 @@ class EpisodeCapture:
         if rendered[:len(through)] == through:
             tail: list[int] | None = rendered[len(through):]
         else:  # the template renders the reply by its place (Qwen3: <think> kept when last)
-            tail = await self._tail_after(messages, reply_at, rendered, turn_end,
-                                          tools=tools, options=options)
+            tail = await tail_after(self.upstream, messages, reply_at, rendered, turn_end,
+                                    tools=tools, options=options)
         if tail is None:
             log.info("capture_splice_skipped", episode=self.episode_id,
                      reason="the template renders the conversation's prefix differently")
@@ -367,36 +367,6 @@ class EpisodeCapture:
         spliced = [*parent.prompt_ids, *parent.completion_ids,
                    *close_turn(parent.completion_ids, turn_end), *tail]
         return spliced, rendered
-
-    async def _tail_after(self, messages: list[dict[str, Any]], reply_at: int,
-                          rendered: list[int], turn_end: list[int], *,
-                          tools: Any, options: dict[str, Any]) -> list[int] | None:
-        """What the template writes after the reply at ``reply_at`` when a rendering of the
-        conversation up to that reply is not a prefix of the whole (a template that renders
-        an assistant turn differently once it is no longer the last, as Qwen3's drops the
-        ``<think>`` block of turns before the last user query): the whole conversation is
-        rendered twice with that reply replaced by two different one-token contents; the
-        renders' common suffix is the turn end, then the rest. None when that does not
-        hold (the caller then sends the call as chat)."""
-        renders = []
-        for marker in ("0", "1"):
-            changed = [*messages[:reply_at], {"role": "assistant", "content": marker},
-                       *messages[reply_at + 1:]]
-            try:
-                renders.append(await self.upstream.render(changed, tools=tools,
-                                                          template_options=options))
-            except InferenceRequestError:  # the template refuses the stand-in
-                return None
-        first, second = renders
-        common = 0
-        while (common < min(len(first), len(second))
-               and first[len(first) - 1 - common] == second[len(second) - 1 - common]):
-            common += 1
-        suffix = first[len(first) - common:]
-        if (not turn_end or suffix[:len(turn_end)] != turn_end
-                or rendered[len(rendered) - common:] != suffix):
-            return None
-        return suffix[len(turn_end):]
 
     async def _chat_token_in(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
         request = {key: body[key] for key in TOKEN_IN_FIELDS if key in body}
@@ -410,13 +380,11 @@ class EpisodeCapture:
             **request, "model": body["model"], "prompt": prompt_ids, "logprobs": top,
             "return_token_ids": True})
         [sample] = parse_completions(reply)
-        content: str | None = sample.text
-        reasoning: str | None = None
-        if self._server_reasons() and thinking_on(body):
-            reasoning, content = split_reasoning(sample.text)
-        tool_calls: list[dict[str, Any]] = []
-        if tools_on and self.tool_parser == "hermes" and content is not None:
-            content, tool_calls = parse_hermes(content)
+        server_reasons = any(call.message is not None and not call.token_in  # its parser
+                             and call.message.get("reasoning") is not None for call in self.calls)
+        message = assistant_message(
+            sample.text, reasoning=server_reasons and thinking_on(body),
+            tools=tools_on, tool_parser=self.tool_parser)
         tops = (reply["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
         entries = [{"token": f"token_id:{token}", "logprob": logprob, "bytes": None,
                     "top_logprobs": [{"token": t, "logprob": lp, "bytes": None}
@@ -424,26 +392,16 @@ class EpisodeCapture:
                     if top and i < len(tops) else []}
                    for i, (token, logprob) in enumerate(zip(sample.completion_ids,
                                                             sample.logprobs, strict=True))]
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning"] = reasoning
-        if tools_on:
-            message["tool_calls"] = tool_calls
         return {
             "id": f"chatcmpl-{reply.get('id', '')}", "object": "chat.completion",
             "created": reply.get("created") or int(time.time()), "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": {"content": entries},
-                         "finish_reason": "tool_calls" if tool_calls else sample.finish_reason,
+                         "finish_reason": "tool_calls" if message.get("tool_calls")
+                         else sample.finish_reason,
                          "stop_reason": sample.stop_reason,
                          "token_ids": sample.completion_ids}],
             "usage": reply.get("usage"), "prompt_token_ids": prompt_ids,
         }
-
-    def _server_reasons(self) -> bool:
-        """Whether the server runs a reasoning parser: one of the episode's replies from its
-        chat route came with ``reasoning``."""
-        return any(call.message is not None and not call.token_in
-                   and call.message.get("reasoning") is not None for call in self.calls)
 
     def _text_parent(self, prompt: str) -> tuple[CapturedCall | None, str]:
         best: CapturedCall | None = None
