@@ -64,7 +64,8 @@ CALCULATOR = {"type": "function", "function": {
         "type": "string", "enum": ["6*7", "2+3", "4*5"]}}, "required": ["expression"]}}}
 """An enum keeps a guided call (``tool_choice`` required or named) short on random weights."""
 TABLE: dict[str, dict[str, int]] = {}
-"""Per trap, what the episode path trained and what a re-render would have (printed)."""
+"""Per trap, what the episode path trained and what a re-render would have (printed: the
+table in docs/guides/agents.md)."""
 
 
 def call_regex(*expressions: str) -> str:
