@@ -5,9 +5,8 @@ from rollq.consumers.trainer.integrations.trl import (
     RollqRolloutWorker,
     RollqWeightTransfer,
     SequenceTooLong,
-    flash_attn_varlen_torch,
-    use_cpu_kernels,
 )
+from rollq.consumers.trainer.integrations.trl_cpu import flash_attn_varlen_torch, use_cpu_kernels
 
 __all__ = [
     "RollqCallback",

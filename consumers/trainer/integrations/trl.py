@@ -45,13 +45,13 @@ What each side does:
   for ``stale_after_s``, with the reason rollq knows (``TrainerClient.stall_reason``).
 
 torch and trl are imported here alone (the ``trl`` extra). TRL's trainer needs CUDA as
-shipped; ``use_cpu_kernels()`` lets it run on a CPU (the tests, the CPU demo).
+shipped; ``use_cpu_kernels()`` lets it run on a CPU (the tests, the CPU demo:
+``consumers.trainer.integrations.trl_cpu``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import threading
@@ -60,7 +60,6 @@ import warnings
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -126,14 +125,17 @@ class RollqRolloutWorker:
     which ``max_staleness``, ``vocab_size``, ``inference_urls`` and ``pad_token_id`` are
     taken from the trainer by ``attach`` (defaults: ``transfer`` weight sync on
     ``rollq_tcp``, the CPU backend; set ``transfer_backend="nccl"`` on GPUs);
-    ``queued_samples``: how many sequences to keep ready on ``rollout_buffer`` (default: one
-    optimizer step's, set by ``attach``); the reader takes the next group only below it.
+    ``sample_hook``: called on each sample before it is queued (to log or adjust it: the
+    learning test's control negates the advantage). ``queued_samples``: how many sequences
+    to keep ready on ``rollout_buffer`` (default: one optimizer step's, set by ``attach``);
+    the reader takes the next group only below it.
     """
 
     def __init__(self, redis: str, *, run: str, consumer: str = "trl",
                  settings: TrainerClientSettings | None = None,
                  queued_samples: int | None = None, poll_s: float = 1.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 sample_hook: Callable[[RolloutSample], None] | None = None) -> None:
         self.redis_url = redis
         self.run = run
         self.consumer = consumer
@@ -143,6 +145,7 @@ class RollqRolloutWorker:
             raise ValueError("RollqRolloutWorker publishes TRL's weights with weight_sync "
                              f"'transfer' or 'external', got {self.settings.weight_sync!r}")
         self.transport = transport
+        self.sample_hook = sample_hook
         self.queued_samples = queued_samples
         self.poll_s = poll_s
         self.rollout_buffer: queue.Queue[RolloutSample] = _HandOutQueue(self)
@@ -259,6 +262,8 @@ class RollqRolloutWorker:
             return
         for sample in samples[skip:]:
             sample.group_id = number
+            if self.sample_hook is not None:
+                self.sample_hook(sample)
             self.rollout_buffer.put(sample)
 
     def _samples(self, batch: SyncBatch) -> list[RolloutSample]:
@@ -441,51 +446,3 @@ class RollqWeightTransfer:
 
     def destroy(self) -> None:
         """Nothing: the worker's ``stop`` closes the client."""
-
-
-def flash_attn_varlen_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                            max_seqlen_q: int, max_seqlen_k: int,
-                            softmax_scale: float | None = None, causal: bool = True,
-                            window_size: tuple[int, int] = (-1, -1),
-                            **kwargs: Any) -> torch.Tensor:
-    """FlashAttention's ``flash_attn_varlen_func`` (what TRL's tree attention calls) in
-    PyTorch: segment ``s``'s queries ``q[cu_q[s]:cu_q[s+1]]`` attend to its keys
-    ``k[cu_k[s]:cu_k[s+1]]``, causally aligned to the end (FlashAttention's rule when there
-    are more keys than queries); grouped-query heads as FlashAttention. ``q``: [tokens,
-    heads, dim]; returns the same shape. Segment by segment: for CPU runs, not speed."""
-    if window_size != (-1, -1) or kwargs.get("softcap"):
-        raise NotImplementedError("flash_attn_varlen_torch: no sliding window, no softcap")
-    out = torch.empty_like(q)
-    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(q.shape[-1])
-    for s in range(len(cu_q) - 1):
-        qs = q[cu_q[s]:cu_q[s + 1]].transpose(0, 1)
-        ks = k[cu_k[s]:cu_k[s + 1]].transpose(0, 1)
-        vs = v[cu_k[s]:cu_k[s + 1]].transpose(0, 1)
-        lq, lk = qs.shape[1], ks.shape[1]
-        mask = None
-        if causal:
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-        out[cu_q[s]:cu_q[s + 1]] = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=scale,
-            enable_gqa=ks.shape[0] != qs.shape[0]).transpose(0, 1)
-    return out
-
-
-def use_cpu_kernels() -> None:
-    """Let TRL 1.16's ``AsyncGRPOTrainer`` run without CUDA; call before building it.
-
-    It assumes a CUDA device twice: its tree attention fetches the FlashAttention-3 kernel
-    from the Hugging Face Hub (``kernels``), and its constructor reads the GPU's name for
-    MFU. Here the kernel is ``flash_attn_varlen_torch`` and the MFU figure is off (None).
-    Does nothing where CUDA is available."""
-    if torch.cuda.is_available():
-        return
-    from trl.experimental.async_grpo import async_grpo_trainer, packing
-
-    kernel = SimpleNamespace(flash_attn_varlen_func=flash_attn_varlen_torch)
-    # TRL's own module globals, looked up at call time: the two CUDA-only calls
-    setattr(packing, "_flash_attn", lambda: kernel)  # noqa: B010
-    setattr(async_grpo_trainer, "get_peak_flops_per_device",  # noqa: B010
-            lambda accelerator, dtype: None)
