@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import warnings
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class RewardLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
         if logs and "rollq/reward" in logs:
             with self.path.open("a") as f:
-                f.write(json.dumps({"step": state.global_step,
+                f.write(json.dumps({"step": state.global_step, "time": time.time(),
                                     "reward_mean": logs["rollq/reward"]}) + "\n")
 
 
