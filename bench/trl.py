@@ -92,8 +92,16 @@ def own_worker(redis_url: str, run: str, model: str, inference: str, out: str, s
         max_completion_length=24, learning_rate=2e-3, max_staleness=1, token_budget=0,
         vllm_server_base_url=inference, logging_steps=1, save_strategy="no", report_to=[],
         use_cpu=True, dtype="float32", temperature=1.0)
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # TRL's worker parses replies by a response template it knows per chat template; the
+    # tiny model's ChatML is not on its list, and Qwen3's parses plain ChatML replies
+    tokenizer.response_template = qwen3_template
     trainer = AsyncGRPOTrainer(model=model, args=config, reward_funcs=digit_fraction,
                                train_dataset=Dataset.from_dict({"prompt": prompts}),
+                               processing_class=tokenizer,
                                weight_transfer=Publish(), callbacks=[Times()])
     trainer.train()
     client.close()
