@@ -36,6 +36,10 @@ from typing import Any
 
 from bench.common import BenchRedis, median_of
 
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "trl.experimental is experimental"
+    from trl.experimental.async_grpo.async_rollout_worker import _AsyncRolloutLoop
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "trl_async_grpo.py"
 DIGIT = re.compile(r"[0-9]")
@@ -45,6 +49,17 @@ def digit_fraction(completions: list[Any], **kwargs: Any) -> list[float]:
     """rollq's demo reward (``char_fraction`` of ``[0-9]``) as a TRL reward function."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [len(DIGIT.findall(t)) / len(t) if t else 0.0 for t in texts]
+
+
+class UnseededLoop(_AsyncRolloutLoop):  # type: ignore[misc]
+    """TRL's rollout loop without its per-request ``seed``: vLLM CPU 0.32's engine dies on a
+    seeded request ("CPU Generator does not use offset"); the seed only decorrelates
+    data-parallel engines, of which there is one here."""
+
+    async def _post(self, path: str, payload: dict[str, Any], timeout: float,  # noqa: ASYNC109 (TRL's signature)
+                    max_retries: int = 3) -> dict[str, Any]:
+        payload = {k: v for k, v in payload.items() if k != "seed"}
+        return await super()._post(path, payload, timeout, max_retries)  # type: ignore[no-any-return]
 
 
 def own_worker(redis_url: str, run: str, model: str, inference: str, out: str, steps: int,
@@ -65,6 +80,7 @@ def own_worker(redis_url: str, run: str, model: str, inference: str, out: str, s
     # TRL's worker generates over HTTP; it checks only that vllm imports (it lives in the
     # server's environment here)
     setattr(async_rollout_worker, "is_vllm_available", lambda *a, **k: True)  # noqa: B010
+    async_rollout_worker.AsyncRolloutWorker._loop_cls = UnseededLoop
     env: Any = make_env("gsm8k")
     prompts = [env.style.render(r, env.format.question_field) for r in env.records]
     client = SyncTrainerClient(redis_url, run=run, consumer="trl", settings=TrainerClientSettings(
