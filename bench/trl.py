@@ -12,9 +12,10 @@ sync after every step (rollq's ``rollq_tcp`` transfer, ``publish_policy``):
   on the server and scoring with a reward function computing the same reward).
 
 Steps/s is over the steps after the first two (start-up and the first sync excluded),
-median of ``--repeats`` runs each; ``--control`` adds one rollq run with the advantages
-negated (the learning control: its reward must not rise). Run from the repository root,
-under the heavy-work lock::
+median of ``--repeats`` runs each; each rollq run also prints its reward (the mean of the
+first 5 steps and of the last 5: the learning test's figures, with ``--steps 30``), and
+``--control`` adds one rollq run with the advantages negated (its reward must not rise).
+Run from the repository root, under the heavy-work lock::
 
     flock /tmp/rollq-heavy.lock python -m bench.trl [--vllm-python .venv-vllm/bin/python]
 
@@ -128,6 +129,14 @@ def steps_per_s(rows: list[dict[str, Any]]) -> float:
     return (len(timed) - 1) / (timed[-1]["time"] - timed[0]["time"])
 
 
+def first5(rows: list[dict[str, Any]]) -> float:
+    return sum(float(r["reward_mean"]) for r in rows[:5]) / len(rows[:5])
+
+
+def last5(rows: list[dict[str, Any]]) -> float:
+    return sum(float(r["reward_mean"]) for r in rows[-5:]) / len(rows[-5:])
+
+
 def rows_of(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
@@ -203,13 +212,14 @@ def main() -> None:
                 rollq.append(steps_per_s(rows))
                 own.append(steps_per_s(run_own(tmp, f"own{i}", redis.url, vllm, model,
                                                args.steps)))
-                print(f"run {i}: rollq {rollq[-1]:.3f} steps/s (reward {rows[0]['reward_mean']:.3f}"
-                      f" -> {rows[-1]['reward_mean']:.3f}), trl's own {own[-1]:.3f}", flush=True)
+                print(f"run {i}: rollq {rollq[-1]:.3f} steps/s (reward, mean of the first 5 "
+                      f"steps -> the last 5: {first5(rows):.3f} -> {last5(rows):.3f}), trl's own "
+                      f"{own[-1]:.3f}", flush=True)
             if args.control:
-                rows = run_rollq(tmp, "control", redis.url, vllm, model, 30, "--flip-advantages")
-                first = sum(r["reward_mean"] for r in rows[:5]) / 5
-                last = sum(r["reward_mean"] for r in rows[-5:]) / 5
-                print(f"control (flipped advantages, 30 steps): reward {first:.3f} -> {last:.3f}")
+                rows = run_rollq(tmp, "control", redis.url, vllm, model, args.steps,
+                                 "--flip-advantages")
+                print(f"control (flipped advantages, {args.steps} steps): reward "
+                      f"{first5(rows):.3f} -> {last5(rows):.3f}", flush=True)
     finally:
         vllm.stop()
     r, t = median_of(rollq), median_of(own)
