@@ -35,6 +35,7 @@ from rollq.integrations.trl import (  # noqa: E402
 
 VOCAB = 700  # below the tiny model's 768
 pytestmark = [
+    pytest.mark.slow,  # each test builds TRL's trainer (10-30 s)
     # TRL 1.16's config sets transformers 5's deprecated `gradient_checkpointing`
     pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"),
 ]
