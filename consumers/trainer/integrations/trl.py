@@ -172,7 +172,10 @@ class RollqRolloutWorker:
     def attach(self, trainer: Any) -> None:
         """Take the limits from ``trainer`` (an ``AsyncGRPOTrainer`` built with this worker),
         open the SDK client and install the callback that acks, saves and resumes. Call
-        once, before ``trainer.train()``."""
+        once, before ``trainer.train()``. On data-parallel ranks other than the main one it
+        does nothing: TRL reads rollouts, syncs weights and checkpoints this state on rank 0."""
+        if not trainer.accelerator.is_main_process:
+            return
         args = trainer.args
         self.max_completion_length = args.max_completion_length
         self.token_budget = max(args.token_budget or 0, 0)
