@@ -44,7 +44,7 @@ from rollq.consumers.trainer.settings import TrainerClientSettings
 from rollq.consumers.trainer.sizing import BatchSize
 from rollq.consumers.trainer.staleness import is_stale
 from rollq.consumers.trainer.stats import TrainerStats
-from rollq.consumers.trainer.waiting import WaitReporter
+from rollq.consumers.trainer.waiting import WaitReporter, stall_reason
 from rollq.consumers.trainer.weights import PolicyPublisher, SyncReport
 from rollq.schemas import BrokerUnavailable
 from rollq.schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
@@ -314,9 +314,7 @@ class TrainerClient:
         return await self._rider.call(lambda: self._ack(batch))
 
     async def _ack(self, batch: BatchData) -> int:
-        books = self._books
-        held = [books.held[ref] for e in batch.entries if (ref := (e.stream, e.entry_id))
-                in books.held]
+        held, books = self._handed(batch), self._books
         fresh = [h for h in held if not h.replay]
         head = await self._ledger.record(
             [TrainedEntry(h.group.group_id, *h.ref) for h in fresh])
@@ -329,6 +327,33 @@ class TrainerClient:
         self.stats.acked(batch.entries, [h.group for h in held], counted)
         log.info("batch_acked", run=self.run, groups=len(held), consumed=counted)
         return counted
+
+    async def drop(self, batch: BatchData, reason: str = "stale") -> int:
+        """Settle a handed-out batch its trainer did not train (e.g. TRL's staleness
+        filter): ack it, counted ``drop:<reason>``, not recorded as trained."""
+        held = self._handed(batch)
+        dropped = await self._rider.call(lambda: self.reader.drop([h.delivery for h in held],
+                                                                  reason))
+        for h in held:
+            self._books.release(h)
+        return dropped
+
+    async def dead_letter(self, batch: BatchData, exc: Exception) -> None:
+        """Dead-letter a handed-out batch its trainer cannot take, with the reason
+        ``schemas.failures`` gives ``exc`` (a ``ContractError`` carrying ``reason``)."""
+        for h in self._handed(batch):
+            await self._rider.call(lambda d=h.delivery: self._reject(d, exc, refetch=True))
+            self._books.release(h)
+
+    def _handed(self, batch: BatchData) -> list[HeldGroup]:
+        return [self._books.held[r] for e in batch.entries
+                if (r := (e.stream, e.entry_id)) in self._books.held]
+
+    async def stall_reason(self) -> str:
+        """Why no group may be arriving, in one line (``consumers.trainer.waiting``)."""
+        return await stall_reason(self.redis, self.run, self.partitions,
+                                  await self.current_version(), self._rider,
+                                  self.settings.redis_give_up_s)
 
     async def current_version(self) -> int:
         """The version staleness is measured against: this client's own published (or
@@ -451,7 +476,7 @@ class TrainerClient:
         self._empty_reads += 1
         waited = time.monotonic() - started
         if block_ms == 0 or waited < block_ms / 2000:  # no BLOCK (or fakeredis): back off
-            pause = min(1.0, 0.005 * 2**self._empty_reads)
+            pause = min(1.0, 0.005 * 2 ** min(self._empty_reads, 8))  # 2**1024 overflows
             if remaining_s is not None:
                 pause = min(pause, max(0.0, remaining_s - waited))
             if idle is None:
