@@ -17,7 +17,7 @@ first 5 steps and of the last 5: the learning test's figures, with ``--steps 30`
 ``--control`` adds one rollq run with the advantages negated (its reward must not rise).
 Run from the repository root, under the heavy-work lock::
 
-    flock /tmp/rollq-heavy.lock python -m bench.trl [--vllm-python .venv-vllm/bin/python]
+    python -m bench.trl [--vllm-python .venv-vllm/bin/python]
 
 and it prints ``trl: steps/s rollq R, trl's own worker T, ratio R/T``.
 """
