@@ -47,6 +47,7 @@ from rollq.ops.settings import (
 )
 from rollq.ops.status import known_runs
 from rollq.ops.watchdog import RunWatchdog, watching
+from rollq.ops.watchdog import log as watchdog_log
 from rollq.ops.watching import Watched, probe_command, ride_out
 from rollq.producers.envs.base import Env
 from rollq.producers.envs.registry import make_env
@@ -63,7 +64,7 @@ from rollq.producers.worker import (
     queue_name,
     requeue_rollout,
 )
-from rollq.schemas import BrokerUnavailable, ConfigError
+from rollq.schemas import BrokerUnavailable, ConfigError, breaker
 from rollq.schemas.errors import REFUSALS, access_refused
 from rollq.schemas.heap import startup_done
 from rollq.schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
@@ -117,7 +118,10 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *,
                               consumer_name(settings, "scorer"),
                               settings.reader_settings(settings.concurrency))
         async with RewardBridge(config) as bridge:
-            scorer = Scorer(bridge, config_fingerprint(config), redis)
+            notice = breaker.Notice(settings.run, "scorer", watchdog_log)
+            scorer = Scorer(bridge, config_fingerprint(config), redis, run=settings.run,
+                            zero_variance_breaker=settings.zero_variance_breaker,
+                            notice=notice)
             stage = Stage(reader, scorer, concurrency=settings.concurrency)
             log.info("scorer_started", run=settings.run, consumer=reader.consumer,
                      reward_config=scorer.config_name)
@@ -151,7 +155,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *,
             async with LoopLagMonitor("scorer") as lag, serve_metrics(
                     settings, "scorer", lag, stage_metrics(stage)), watching(RunWatchdog(
                         redis, settings.run, "scorer", stall_s=settings.stall_warning_s,
-                        existed=existed)):
+                        existed=existed, notice=notice)):
                 while not stop.is_set():
                     outages = rider.outages
                     try:

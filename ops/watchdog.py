@@ -93,7 +93,7 @@ class RunWatchdog:
 
     def __init__(self, redis: aioredis.Redis, run: str, role: str, *, stall_s: float,
                  existed: bool = True, feeder: Feeder | None = None,
-                 check_s: float | None = None) -> None:
+                 check_s: float | None = None, notice: breaker.Notice | None = None) -> None:
         self.redis = redis
         self.run = run
         self.role = role
@@ -105,7 +105,7 @@ class RunWatchdog:
         """The stall warning logged since the last progress (None: none)."""
         self._last: Reading | None = None  # at the last progress
         self._since = time.monotonic()
-        self._breaker = breaker.Notice(run, role, log)
+        self._breaker = notice or breaker.Notice(run, role, log)
 
     async def read(self) -> Reading:
         async with translated_errors("watching the run"):

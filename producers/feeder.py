@@ -269,9 +269,8 @@ class Feeder:
     async def _breaker_open(self) -> bool:
         """Trip the breaker when the failure streak calls for it; log ONE error line per
         trip (and one line when a resume closed it)."""
-        if self.trip_after is None:
-            return False
-        tripped = await breaker.trip(self.redis, self.run, self.trip_after)
+        tripped = (await breaker.read(self.redis, self.run) if self.trip_after is None
+                   else await breaker.trip(self.redis, self.run, self.trip_after))
         if tripped is None:
             if self.tripped is not None:
                 log.info("admission_resumed", run=self.run)
