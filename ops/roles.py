@@ -45,13 +45,12 @@ from rollq.ops.settings import (
     ScorerSettings,
     WorkerSettings,
 )
-from rollq.ops.status import known_runs
-from rollq.ops.watchdog import RunWatchdog, watching
+from rollq.ops.watchdog import RunWatchdog, warn_if_unknown, watching
 from rollq.ops.watchdog import log as watchdog_log
 from rollq.ops.watching import Watched, probe_command, ride_out
 from rollq.producers.envs.base import Env
 from rollq.producers.envs.registry import make_env
-from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.feeder import Feeder, FeedPlan, record_plan
 from rollq.producers.inference import SamplingParams
 from rollq.producers.inference.served import check_served
 from rollq.producers.order import record_seed
@@ -112,7 +111,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *,
     config = load_reward_config(settings.reward_config, processes=settings.processes)
     redis = open_redis(settings)
     try:
-        existed = settings.run in await known_runs(redis)
+        existed = await warn_if_unknown(redis, settings.run, "scorer")
         partitions = await _partitions(redis, settings.run, settings.partitions)
         reader = StreamReader(redis, stream_keys(settings.run, partitions, "traj"), "scorers",
                               consumer_name(settings, "scorer"),
@@ -293,7 +292,7 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     try:
         for connection in watched:  # at start-up both must answer at once (exit 69 otherwise)
             await connection.probe()
-        existed = settings.run in await known_runs(data)
+        existed = await warn_if_unknown(data, settings.run, "workers")
         if not await _inference_checked(settings, stopping, transport):
             log.info("workers_stopped", jobs_complete=0, jobs_retried=0)
             return
@@ -389,6 +388,7 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
         await record_seed(redis, settings.run, settings.shuffle_seed)
         plan = FeedPlan(dataset_size=len(env), epochs=settings.epochs,
                         max_staleness=settings.max_staleness, batch_groups=settings.batch_groups)
+        await record_plan(redis, settings.run, plan)
 
         async def enqueue(position: int) -> bool:
             return await enqueue_rollout(queue, settings.run, env.name, position,

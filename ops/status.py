@@ -20,7 +20,6 @@ from rollq.schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
-    RUNS_KEY,
     STREAM_NAMES,
     counters_key,
     queue_name,
@@ -104,11 +103,6 @@ class RunStatus:
             document["accounting"] |= {"held": self.accounting.held,
                                        "unaccounted": self.accounting.unaccounted}
         return document
-
-
-async def known_runs(redis: aioredis.Redis) -> list[str]:
-    async with translated_errors("listing runs"):
-        return sorted(r.decode() for r in await redis.smembers(RUNS_KEY))
 
 
 async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 64, *,

@@ -5,6 +5,9 @@ real roles (``ops.roles``) and the real trainer client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +15,33 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
+from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
 from rollq.ops.cli import main
-from rollq.ops.roles import run_scorer
-from rollq.ops.settings import ScorerSettings
+from rollq.ops.roles import run_feeder, run_scorer, run_workers
+from rollq.ops.settings import FeederSettings, ScorerSettings, WorkerSettings
 from rollq.producers.feeder import Feeder, FeedPlan
 from rollq.producers.publisher import Publisher
 from rollq.schemas import breaker
 from rollq.schemas.keys import state_key
 from tests.factories import make_group
+from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
+from tests.trainer.helpers import FakeVllm
+from tests.waiting import until
 
 SAME_LENGTH_REWARD = ("components:\n  - name: length\n    component: length_bounty\n"
                       "advantages: {zero_variance: drop}\n")
+
+
+@contextlib.asynccontextmanager
+async def role(start: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[Any]]:
+    task = asyncio.create_task(start)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def errors_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
@@ -103,3 +121,103 @@ async def test_a_forwarded_group_restarts_the_zero_variance_streak(
     off = settings.model_copy(update={"zero_variance_breaker": 0})
     await run_scorer(off, asyncio.Event(), burst=True)
     assert await breaker.read(real_redis, "mixed") is None
+
+
+async def test_a_run_typo_is_said_at_start_up_by_workers_scorer_and_trainer(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """Default settings (stall_warning_s 300): the WARNING comes at start-up, within 5 s."""
+    await Publisher(real_redis, "gsm8k-grpo").register()
+    fake = FakeVLLM()
+    workers = WorkerSettings(redis_url=redis_server.url, run="gsm8k-gpro",
+                             inference=[fake.base_url], model=fake.model)
+    scorer = ScorerSettings(redis_url=redis_server.url, run="gsm8k-gpro", processes=1)
+    with capture_logs() as logs:
+        started = time.monotonic()
+        async with role(run_workers(workers, transport=fake_transport(fake))), \
+                role(run_scorer(scorer, asyncio.Event())):
+            await until(lambda: len(warnings_of(logs, "run_not_found_at_start")) == 2,
+                        "the unknown-run warnings of workers and scorer", timeout_s=5)
+            assert time.monotonic() - started < 5
+            await asyncio.sleep(0.5)  # no second line
+    warnings = {w["role"]: w for w in warnings_of(logs, "run_not_found_at_start")}
+    assert set(warnings) == {"workers", "scorer"}
+    for name, noun in (("workers", "worker pool"), ("scorer", "scorer")):
+        assert warnings[name]["known_runs"] == ["gsm8k-grpo"]
+        message = warnings[name]["message"]
+        assert f"run 'gsm8k-gpro' did not exist when this {noun} started" in message
+        assert "known runs: gsm8k-grpo: a typo in --run?" in message
+        assert "A run comes to exist when a role registers it (its feeder: `rollq feed --run " \
+            "gsm8k-gpro`" in message
+
+
+async def test_a_trainer_on_a_run_typo_warns_at_once_and_publishes_nothing(
+        real_redis: aioredis.Redis) -> None:
+    await Publisher(real_redis, "gsm8k-grpo").register()
+    fake = FakeVllm()
+    settings = TrainerClientSettings(inference_urls=("http://gpu0:8000",), block_ms=50)
+    with capture_logs() as logs:
+        async with TrainerClient(real_redis, run="gsm8k-gpro", consumer="t", settings=settings,
+                                 transport=fake.transport()) as trainer:
+            [warning] = warnings_of(logs, "run_not_found_at_start")
+            assert await trainer.publish_policy(0, "/ckpt/step-0") == 0
+            assert await trainer.publish_policy(1, "/ckpt/step-1") == 0
+            assert not fake.calls  # the servers (maybe another run's) were left alone
+            # once another role works on the run, its weights go out
+            await Publisher(real_redis, "gsm8k-gpro").publish(make_group(run="gsm8k-gpro"))
+            assert await trainer.publish_policy(2, "/ckpt/step-2") == 2
+    assert warning["role"] == "trainer" and warning["known_runs"] == ["gsm8k-grpo"]
+    assert "run 'gsm8k-gpro' did not exist when this trainer started" in warning["message"]
+    assert "sends no weights to its inference servers" in warning["message"]
+    skipped = warnings_of(logs, "policy_not_published")
+    assert [w["step"] for w in skipped] == [0, 1]
+    assert "pass new_run=True (--new-run)" in skipped[0]["message"]
+    assert fake.calls["gpu0"] and fake.bodies[("gpu0", "/collective_rpc")] == {
+        "method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-2"}}
+
+
+async def test_a_trainer_told_it_starts_a_new_run_publishes_at_once(
+        real_redis: aioredis.Redis) -> None:
+    fake = FakeVllm()
+    settings = TrainerClientSettings(inference_urls=("http://gpu0:8000",), new_run=True)
+    with capture_logs() as logs:
+        async with TrainerClient(real_redis, run="fresh", consumer="t", settings=settings,
+                                 transport=fake.transport()) as trainer:
+            assert await trainer.publish_policy(0, "/ckpt/step-0") == 0
+    assert fake.calls["gpu0"] and not warnings_of(logs, "run_not_found_at_start")
+
+
+async def test_a_trainer_batch_larger_than_the_feeders_is_named_at_start_up_and_while_waiting(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """Trainer 16, feeder 4 (max_staleness 2): the feeder admits 12 before the first step."""
+    feed = FeederSettings(redis_url=redis_server.url, run="mismatch", batch_groups=4,
+                          max_staleness=2, poll_s=0.05)
+    settings = TrainerClientSettings(block_ms=50, reclaim_every_s=3600.0, wait_log_s=0.2,
+                                     batch_groups=16)
+    with capture_logs() as logs:
+        async with role(run_feeder(feed, asyncio.Event())):
+            await until(lambda: any(e["event"] == "feeder_started" for e in logs), "the feeder")
+            await until(lambda: real_redis.hget(state_key("mismatch"), "feed_batch_groups"),
+                        "the feeder's recorded settings")
+            started = time.monotonic()
+            async with TrainerClient(real_redis, run="mismatch", consumer="t",
+                                     settings=settings) as trainer:
+                assert warnings_of(logs, "batch_groups_exceed_admission")  # at start-up
+                assert time.monotonic() - started < 5
+                async with role(trainer.next_batch()):
+                    await until(lambda: len(warnings_of(
+                        logs, "batch_groups_exceed_admission")) >= 2, "the warning again")
+    first = warnings_of(logs, "batch_groups_exceed_admission")[0]
+    assert (first["trainer_batch_groups"], first["feed_batch_groups"],
+            first["stalls_at_step"]) == (16, 4, 1)
+    assert ("this trainer takes 16 groups a step but the run's feeder admits 4 a step"
+            in first["message"])
+    assert ("run `rollq feed` with --batch-groups 16, or this trainer with --batch-groups 4"
+            in first["message"])
+
+
+def test_the_step_a_batch_mismatch_stalls_at() -> None:
+    from rollq.consumers.trainer.waiting import stalled_step
+
+    assert stalled_step(16, 4, 2) == 1  # 12 admitted before step 1 needs 16
+    assert stalled_step(8, 4, 2) == 3  # 12, 16, 20 admitted: steps 1, 2 take 16; 3 needs 24
+    assert stalled_step(9, 8, 0) == 1
