@@ -87,19 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=os.environ.get("ROLLQ_REDIS_URL",
                                                               "redis://127.0.0.1:6379/0"))
     parser.add_argument("--run", default=os.environ.get("ROLLQ_RUN", "default"),
-                        help="the run to train on, as its feeder, workers and scorer name it "
-                        "[ROLLQ_RUN, else %(default)s]")
+                        help="the run to train on [ROLLQ_RUN, else %(default)s]")
     parser.add_argument("--new-run", action="store_true",
-                        help="this trainer starts a new run: publish weights to --inference "
-                        "even when no other role had registered the run (without it, a run "
-                        "that did not exist gets a warning and no weights reach the servers "
-                        "until its feeder, workers or scorer work on it)")
-    parser.add_argument("--redis-ca-file", help="rediss://: CA bundle of the server's "
-                        "certificate [ROLLQ_REDIS_CA_FILE]")
-    parser.add_argument("--redis-cert-file", help="rediss://: client certificate, for "
-                        "servers that require one [ROLLQ_REDIS_CERT_FILE]")
-    parser.add_argument("--redis-key-file", help="rediss://: the client certificate's key "
-                        "[ROLLQ_REDIS_KEY_FILE]")
+                        help="this trainer starts a new run: publish weights even before "
+                        "another role works on it (without: a warning, and none are sent)")
+    parser.add_argument("--redis-ca-file", help="rediss://: the server's CA bundle "
+                        "[ROLLQ_REDIS_CA_FILE]")
+    parser.add_argument("--redis-cert-file", help="client certificate [ROLLQ_REDIS_CERT_FILE]")
+    parser.add_argument("--redis-key-file", help="its key [ROLLQ_REDIS_KEY_FILE]")
     parser.add_argument("--model", required=True, help="initial model directory (HF layout)")
     parser.add_argument("--inference", default=os.environ.get("ROLLQ_INFERENCE", ""),
                         help="vLLM base URLs to publish weights to, comma-separated")
@@ -110,8 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="scored groups per optimizer step; the feeder's --batch-groups "
                         "must be at least this [%(default)s]")
     parser.add_argument("--max-staleness", type=int, default=1,
-                        help="drop groups generated more than this many policy versions ago "
-                        "(as the feeder's --max-staleness) [%(default)s]")
+                        help="drop groups more than this many policy versions old, as the "
+                        "feeder's --max-staleness [%(default)s]")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
     parser.add_argument("--warmup-steps", type=int, default=0,

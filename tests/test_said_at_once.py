@@ -221,3 +221,18 @@ def test_the_step_a_batch_mismatch_stalls_at() -> None:
     assert stalled_step(16, 4, 2) == 1  # 12 admitted before step 1 needs 16
     assert stalled_step(8, 4, 2) == 3  # 12, 16, 20 admitted: steps 1, 2 take 16; 3 needs 24
     assert stalled_step(9, 8, 0) == 1
+
+
+def test_the_example_trainers_help_gives_help_and_defaults_for_the_first_flags() -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "grpo_trainer.py"
+    out = subprocess.run([sys.executable, str(example), "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    flat = " ".join(out.split())
+    assert "--run RUN the run to train on [ROLLQ_RUN, else default]" in flat
+    assert "--steps STEPS optimizer steps to train, then stop [60]" in flat
+    assert "the feeder's --batch-groups must be at least this [8]" in flat
+    assert "--max-staleness MAX_STALENESS drop groups more than this many policy" in flat
+    assert "--new-run this trainer starts a new run" in flat

@@ -44,6 +44,7 @@ from rollq.consumers.trainer.settings import TrainerClientSettings
 from rollq.consumers.trainer.sizing import BatchSize
 from rollq.consumers.trainer.staleness import is_stale
 from rollq.consumers.trainer.stats import TrainerStats
+from rollq.consumers.trainer.unstarted import RunCheck
 from rollq.consumers.trainer.waiting import WaitReporter
 from rollq.consumers.trainer.weights import PolicyPublisher, SyncReport
 from rollq.schemas import BrokerUnavailable
@@ -53,7 +54,6 @@ from rollq.schemas.keys import (
     stream_keys,
 )
 from rollq.schemas.outage import OutageRider
-from rollq.schemas.runs import known_runs, run_started, unknown_run_message
 
 log = structlog.get_logger("rollq.trainer")
 
@@ -116,23 +116,14 @@ class TrainerClient:
             run=self.run, name=f"rollq-prefetch-{self.consumer}")
         self._lock = asyncio.Lock()  # one next_batch (or load_state) at a time
         self._waits = WaitReporter(redis, self.run, self.settings.wait_log_s)
-        self._unconfirmed = False  # the run did not exist at start and has seen no work
+        self._run_check = RunCheck(redis, self.run, new_run=self.settings.new_run)
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions, created = await self._ledger.register(self.settings.partitions)
         # a trainer may start first; a typo in the run's name starts an empty run instead
         log.info("trainer_started", run=self.run, consumer=self.consumer,
                  partitions=self.partitions, new_run=created)
-        self._unconfirmed = not self.settings.new_run and not await run_started(self.redis,
-                                                                                self.run)
-        if self._unconfirmed:
-            known = await known_runs(self.redis)
-            log.warning("run_not_found_at_start", run=self.run, role="trainer",
-                        known_runs=[name for name in known if name != self.run],
-                        message=unknown_run_message(self.run, "trainer", known)
-                        + "; it sends no weights to its inference servers until another "
-                        "role works on the run (new_run=True, or the example trainer's "
-                        "--new-run, when it starts a new run)")
+        await self._run_check.at_start()
         await self._waits.check_admission(self.settings.batch_groups)
         s = self.settings
         self._reader = StreamReader(
@@ -412,15 +403,10 @@ class TrainerClient:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._unconfirmed and self._publisher.urls and not await self._run_has_work():
+        if self._publisher.urls and self._run_check.unconfirmed:
             version = await self._rider.call(self._ledger.policy_version)
-            log.warning("policy_not_published", run=self.run, step=step, in_force=version,
-                        message=f"weights of step {step} not sent to the "
-                        f"{len(self._publisher.urls)} inference server(s): run "
-                        f"{self.run!r} did not exist when this trainer started and no other "
-                        "role has worked on it yet; pass new_run=True (--new-run) when this "
-                        "trainer starts a new run")
-            return version
+            if not await self._run_check.may_publish(step, len(self._publisher.urls), version):
+                return version  # no other role works on the run: nothing sent (unstarted)
         method = self.settings.weight_sync
         raised: list[int] = []
 
@@ -444,12 +430,6 @@ class TrainerClient:
         self._publisher.urls = [url.rstrip("/") for url in urls]
 
     # -- internals -------------------------------------------------------------------------
-
-    async def _run_has_work(self) -> bool:
-        """Whether a role other than this trainer has worked on the run (admitted, published
-        or scored a group); once true, the run is confirmed for good."""
-        self._unconfirmed = not await run_started(self.redis, self.run)
-        return not self._unconfirmed
 
     async def _start(self) -> None:
         await self._admit(await self.reader.read_own_pending(count=100_000))
