@@ -236,3 +236,54 @@ def test_the_example_trainers_help_gives_help_and_defaults_for_the_first_flags()
     assert "the feeder's --batch-groups must be at least this [8]" in flat
     assert "--max-staleness MAX_STALENESS drop groups more than this many policy" in flat
     assert "--new-run this trainer starts a new run" in flat
+
+
+class HungAgent:
+    """An agent that ignores the cancellation of its task (a blocking harness, a retry loop
+    that swallows it) and stops only when its episode is gone from the gateway, or after
+    ``give_up_s``."""
+
+    def __init__(self, hub: Any, give_up_s: float) -> None:
+        self.hub = hub
+        self.give_up_s = give_up_s
+
+    async def run(self, data: dict[str, Any], *, base_url: str, http_client: Any,
+                  api_key: str) -> Any:
+        episode_id = base_url.rstrip("/").split("/")[-2]
+        ends = time.monotonic() + self.give_up_s
+        while episode_id in self.hub.episodes and time.monotonic() < ends:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.01)
+        raise RuntimeError("the episode is gone")
+
+
+async def test_a_hung_agents_gateway_episodes_close_within_a_second_of_its_job_timeout(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    from rollq.producers.envs.episode import GatewayEpisodeEnv
+    from rollq.producers.inference.capture import CaptureHub
+    from rollq.producers.inference.capture.gateways import CaptureTransport, RemoteGateway
+    from tests.producers.test_job_failures import RUN, dead_letters, run_positions
+
+    hub = CaptureHub(upstream=None)  # type: ignore[arg-type]  # no call reaches upstream
+    gateway = RemoteGateway("http://gateway:8090", transport=CaptureTransport(hub))
+    env = GatewayEpisodeEnv(name="hung", workflow=HungAgent(hub, give_up_s=20.0),
+                            records=[{"question": "1+1"}], gateway=gateway)
+    counts: list[tuple[float, int]] = []
+
+    async def health() -> None:
+        while True:
+            counts.append((time.monotonic(), len(hub.episodes)))  # what /health counts
+            await asyncio.sleep(0.01)
+
+    watcher = asyncio.create_task(health())
+    try:
+        await run_positions(redis_server.url, real_redis, env, [0], job_timeout_s=1.0,
+                            timeout_margin_s=1.0, max_tries=1)
+    finally:
+        watcher.cancel()
+    opened = next(t for t, n in counts if n > 0)  # the job's start, to a few ms
+    closed = next(t for t, n in counts if t > opened and n == 0)
+    assert closed - opened < 1.0 + 1.0, (closed - opened)  # its timeout, then under 1 s
+    [(reason, detail)] = (await dead_letters(real_redis)).values()
+    assert reason == "job_timeout" and "ran past the 1 s job timeout" in detail
+    assert RUN and hub.closed == 2 and not hub.episodes
