@@ -36,6 +36,7 @@ from rollq.ops.connections import (
     queue_url,
     redis_options,
 )
+from rollq.ops.health import waiting_for_inference
 from rollq.ops.looplag import LoopLagMonitor
 from rollq.ops.role_metrics import feeder_metrics, worker_metrics
 from rollq.ops.settings import (
@@ -293,7 +294,9 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
         for connection in watched:  # at start-up both must answer at once (exit 69 otherwise)
             await connection.probe()
         existed = await warn_if_unknown(data, settings.run, "workers")
-        if not await _inference_checked(settings, stopping, transport):
+        async with waiting_for_inference(queue, settings.run):
+            checked = await _inference_checked(settings, stopping, transport)
+        if not checked:
             log.info("workers_stopped", jobs_complete=0, jobs_retried=0)
             return
         async with LoopLagMonitor("workers") as lag, serve_metrics(

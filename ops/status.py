@@ -190,7 +190,8 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
     lines += [
         f"run {status.run}: {status.partitions} partition(s), policy_version "
         f"{status.policy_version}, admitted {status.admitted}, "
-        f"scored {status.counters.get('scored', 0)}, consumed {status.counters.get('consumed', 0)}"
+        f"scored {status.counters.get('scored', 0)} (forwarded to the trainer; drops below), "
+        f"consumed {status.counters.get('consumed', 0)}"
         f", requeued {status.counters.get('requeued', 0)}"
     ]
     if previous is not None:
@@ -215,8 +216,11 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
                          f"{group.pending:>8} {lag:>6} {idle:>15}")
     if status.workers is not None:
         w = status.workers
-        lines.append(f"workers: {w.alive} alive, jobs {w.running} running, {w.queued} queued, "
-                     f"{w.complete} complete, {w.failed} failed, {w.retried} retried")
+        waiting = (f", {w.waiting} waiting for their inference servers (no job taken yet: "
+                   "start vLLM, or check --inference)" if w.waiting else "")
+        lines.append(f"workers: {w.alive} alive{waiting}, jobs {w.running} running, "
+                     f"{w.queued} queued, {w.complete} complete, {w.failed} failed, "
+                     f"{w.retried} retried")
     accounting = status.accounting
     if accounting is not None:
         held = "?" if accounting.held is None else str(accounting.held)

@@ -154,6 +154,10 @@ HEALTH_KEY = "workers:health:"
 ``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
 ``HEALTH_INTERVAL_S`` and expiring a second later (``producers.worker`` writes them,
 ``ops.health`` reads them)."""
+WAITING_KEY = "workers:waiting:"
+"""``run_key(run, WAITING_KEY + name)``: a worker process that waits for its inference servers
+before it takes a job (no arq health record yet); refreshed every ``HEALTH_INTERVAL_S``,
+expiring a second later (``ops.health``)."""
 HEALTH_INTERVAL_S = 10
 
 

@@ -287,3 +287,56 @@ async def test_a_hung_agents_gateway_episodes_close_within_a_second_of_its_job_t
     [(reason, detail)] = (await dead_letters(real_redis)).values()
     assert reason == "job_timeout" and "ran past the 1 s job timeout" in detail
     assert RUN and hub.closed == 2 and not hub.episodes
+
+
+async def test_tail_into_a_pipe_shows_each_entry_as_it_arrives(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    """``rollq tail traj | cat``: stdout is a pipe, not a terminal."""
+    import os
+    import sys
+
+    publisher = Publisher(real_redis, "piped")
+    await publisher.register()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollq", "tail", "traj", "--run", "piped", "--redis-url",
+        redis_server.url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": ""})
+    assert process.stdout is not None
+    try:
+        await until(lambda: real_redis.client_list(), "the tail's connection")
+        lines: list[bytes] = []
+        for seed in range(2):  # each one shows before the next is published
+            await until(lambda: _tail_connected(real_redis), "the tail's read", timeout_s=60)
+            await publisher.publish(make_group(run="piped", seed=seed, texts=["a", "b", "c",
+                                                                              "d"]))
+            line = await asyncio.wait_for(process.stdout.readline(), 30)
+            while b"group=" not in line:
+                lines.append(line)
+                line = await asyncio.wait_for(process.stdout.readline(), 30)
+            lines.append(line)
+        assert sum(b"group=" in line for line in lines) == 2
+    finally:
+        process.terminate()
+        await process.wait()
+
+
+async def _tail_connected(redis: aioredis.Redis) -> bool:
+    return any(client.get("cmd") == "xread" for client in await redis.client_list())
+
+
+async def test_status_tells_workers_waiting_for_inference_from_dead_ones_and_scored_from_drops(
+        real_redis: aioredis.Redis, redis_server: RedisServer) -> None:
+    from rollq.ops.status import collect_status, render_status
+
+    await Publisher(real_redis, "early").register()
+    settings = WorkerSettings(redis_url=redis_server.url, run="early",
+                              inference=["http://127.0.0.1:9"])  # vLLM not up yet
+    with capture_logs() as logs:
+        async with role(run_workers(settings)):
+            await until(lambda: warnings_of(logs, "inference_unreachable"), "the wait")
+            text = render_status(await collect_status(real_redis, "early"))
+            assert ("workers: 0 alive, 1 waiting for their inference servers (no job taken "
+                    "yet: start vLLM, or check --inference)" in text), text
+    text = render_status(await collect_status(real_redis, "early"))
+    assert "workers: 0 alive, jobs" in text  # stopped: no longer waiting
+    assert "scored 0 (forwarded to the trainer; drops below)" in text
