@@ -340,3 +340,12 @@ async def test_status_tells_workers_waiting_for_inference_from_dead_ones_and_sco
     text = render_status(await collect_status(real_redis, "early"))
     assert "workers: 0 alive, jobs" in text  # stopped: no longer waiting
     assert "scored 0 (forwarded to the trainer; drops below)" in text
+
+
+def test_a_missing_dataset_file_names_the_built_in_sample() -> None:
+    from rollq.producers.envs.registry import make_env
+    from rollq.schemas import ConfigError
+
+    with pytest.raises(ConfigError, match="--env gsm8k without --env-option source=... uses "
+                                          "its built-in sample"):
+        make_env("gsm8k", source="train.jsonl")
