@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from rollq.consumers.trainer.waiting import TRAINER_WAITING_FIELD
 from rollq.producers.admission import outstanding
 from rollq.producers.feeder import Feeder
 from rollq.schemas import BrokerUnavailable, breaker
@@ -44,6 +43,7 @@ from rollq.schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
     SCORED_COUNTER,
+    TRAINER_WAITING_FIELD,
     counters_key,
     state_key,
     stream_key,
