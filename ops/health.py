@@ -92,8 +92,9 @@ async def waiting_for_inference(redis: Any, run: str) -> AsyncIterator[None]:
 
     async def refresh() -> None:
         while True:
-            with contextlib.suppress(Exception):
-                await redis.set(key, b"inference", ex=HEALTH_INTERVAL_S + 1)
+            with contextlib.suppress(Exception):  # shielded: a cancel mid-command would
+                # leave its connection checked out of the pool, never closed
+                await asyncio.shield(redis.set(key, b"inference", ex=HEALTH_INTERVAL_S + 1))
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
     task = asyncio.create_task(refresh(), name="rollq-workers-waiting")

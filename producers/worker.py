@@ -183,8 +183,10 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
                 except ConfigError as exc:
                     raise await _refused(ctx, exc) from exc
                 except Exception as caught:
-                    # past the deadline, whatever the unwinding raised, the try timed out
-                    exc = _ran_past(timeout_s, caught) if deadline.expired() else caught
+                    # past the deadline, a timeout of the try's own tasks (a TaskGroup's
+                    # group of them) is the try's timeout
+                    exc = (_ran_past(timeout_s, caught) if deadline.expired()
+                           and _timed_out(caught) else caught)
                     await asyncio.shield(episodes.close_all("the try failed"))
                 finally:
                     due.cancel()
@@ -228,6 +230,13 @@ def _close_when_due(timeout_s: float, episodes: JobEpisodes) -> asyncio.TimerHan
         task.add_done_callback(_CLOSING.discard)
 
     return loop.call_later(timeout_s, due)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A TimeoutError, or an exception group holding one."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(TimeoutError) is not None
+    return isinstance(exc, TimeoutError)
 
 
 def _ran_past(timeout_s: float, cause: BaseException) -> TimeoutError:
