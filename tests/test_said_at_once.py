@@ -346,6 +346,6 @@ def test_a_missing_dataset_file_names_the_built_in_sample() -> None:
     from rollq.producers.envs.registry import make_env
     from rollq.schemas import ConfigError
 
-    with pytest.raises(ConfigError, match="--env gsm8k without --env-option source=... uses "
-                                          "its built-in sample"):
+    with pytest.raises(ConfigError, match=r"--env gsm8k without --env-option source=\.\.\. "
+                                          r"uses its built-in sample"):
         make_env("gsm8k", source="train.jsonl")
