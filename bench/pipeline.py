@@ -196,9 +196,12 @@ class Role:
     kills: int = 0
     started_at: float = 0.0
     """``time.monotonic()`` of the last start."""
+    log_offset: int = 0
+    """The log's size at the last start: what this incarnation logged follows it."""
 
     def start(self) -> None:
         self.started_at = time.monotonic()
+        self.log_offset = self.log.stat().st_size if self.log.exists() else 0
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(self.argv, env=self.env, cwd=REPO_ROOT,
                                             stdout=out, stderr=out, stdin=subprocess.DEVNULL,
@@ -221,6 +224,16 @@ class Role:
     @property
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+    def started_up(self) -> bool:
+        """Whether this incarnation logged its start-up line (``scorer_started``,
+        ``worker_started``, ``trainer_started``, ...): before it, a role needs Redis to
+        answer at once, by design; after it, an outage is its rider's to ride out."""
+        if not self.log.exists():
+            return False
+        with self.log.open("rb") as log:
+            log.seek(self.log_offset)
+            return b'_started"' in log.read()
 
 
 @dataclass

@@ -93,8 +93,10 @@ class Publisher:
             reason=reason, detail=detail, source_stream=f"jobs:{self.run}", source_id=group_id,
             consumer_group="workers", dead_at=time.time(), payload=payload or {},
         )
-        async with translated_errors("recording a failure"):
-            pipe = self.redis.pipeline(transaction=True)
+        # ``async with``: a job cancelled (timed out) inside ``execute`` gives the pipeline's
+        # connection back; a bare pipeline would keep it until the garbage collector warns
+        async with translated_errors("recording a failure"), \
+                self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(stream_key(self.run, partition, "dead"), encode_dead(letter))  # type: ignore[arg-type]
             pipe.hincrby(counters_key(self.run, partition), DROP_PREFIX + reason, 1)
             entry_id, _ = await pipe.execute()

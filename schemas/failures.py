@@ -72,6 +72,11 @@ reward) on every try of a rollout job: its scoring failed, which is never a rewa
 SESSION_EXPIRED = "session_expired"
 """An external agent session group (``rollq gateway --sessions``) had no call and no close
 for ``session_ttl_s``: its agent went away; the detail says which sessions were closed."""
+SEQUENCE_TOO_LONG = "sequence_too_long"
+"""A scored group holds a sequence longer than its trainer takes (TRL's
+``max_completion_length`` for the completion, its ``token_budget`` for prompt + completion):
+dead-lettered by the trainer's adapter instead of truncated or dropped unseen; the detail
+names the sequence, its length and the limit."""
 UNEXPECTED_ERROR = "unexpected_error"
 """Anything else: a bug in rollq, an env or a component; the detail holds the exception."""
 

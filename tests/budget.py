@@ -16,6 +16,10 @@ tier (outcomes, as CI has always printed them) and a time table by tier. A test 
 kind's ceiling fails the run, named with its time, whatever its own outcome: a long test
 must say what it is, so that its time is counted where the budget expects it.
 
+A learning test states what it measured (``record_figures``): every run of the suite then
+prints those figures at the end, pass or fail, so a bar's spread is read off CI runs, not
+remembered.
+
 ``.ci/test`` runs the suite as two pytest runs (the tiers without vLLM spread over worker
 processes, then the vLLM tier in one); with ``ROLLQ_SUITE_RECORD`` naming a file, each run
 adds its tests to that file, and the lines printed are the whole suite's so far.
@@ -42,6 +46,8 @@ REDIS_TIERS = {
     "redis cluster": " (3 masters + 3 replicas this test session started)",
     "redis tls": " (a TLS-only server with a test CA and ACL users)",
 }
+SLOWEST = 15
+"""How many of the slowest tests the time table names."""
 TIME_TIERS = ("unit", *REDIS_TIERS, "vllm")
 """Where a test's time is counted: ``vllm`` for the integration tier, else its Redis tier,
 else ``unit``."""
@@ -54,10 +60,20 @@ class TestRecord:
     kind: str
     seconds: float = 0.0
     outcomes: list[str] = field(default_factory=list)
+    figures: str | None = None
 
     @property
     def time_tier(self) -> str:
         return "vllm" if self.vllm else (self.redis_tier or "unit")
+
+
+FIGURES = "rollq_figures"
+
+
+def record_figures(request: pytest.FixtureRequest, text: str) -> None:
+    """What a learning test measured (its start, its end, its bar), printed at the end of
+    the run whatever the outcome. Call it before the asserts."""
+    request.node.user_properties.append((FIGURES, text))
 
 
 def classify(item: pytest.Item, redis_tier: str | None) -> None:
@@ -80,6 +96,8 @@ class SuiteRecord:
         if record is None:
             record = self.tests[report.nodeid] = TestRecord(**properties["rollq_test"])
         record.seconds += report.duration
+        if FIGURES in properties:
+            record.figures = str(properties[FIGURES])
         # a test's outcome: its call, or the setup (or teardown) that failed or skipped it
         if report.when == "call" or report.outcome != "passed":
             record.outcomes.append(report.outcome)
@@ -123,11 +141,20 @@ class SuiteRecord:
             if times := by_tier.get(tier, []):
                 lines.append(f"  {tier:<18} {sum(times):7.0f} s  {len(times):5d} tests  "
                              f"slowest {max(times):.1f} s")
+        slowest = sorted(self.tests.items(), key=lambda kv: -kv[1].seconds)[:SLOWEST]
+        lines.append(f"slowest {len(slowest)} tests:")
+        lines += [f"  {record.seconds:7.1f} s  {record.kind:<5} {nodeid}"
+                  for nodeid, record in slowest]
         for nodeid, (seconds, ceiling) in sorted(self.over_ceiling().items()):
             lines.append(f"OVER CEILING: {nodeid} took {seconds:.1f} s (ceiling {ceiling:.0f} "
                          f"s for a {self.tests[nodeid].kind} test): mark it for what it is, "
                          "or make it cheaper")
         return lines
+
+
+    def figure_lines(self) -> list[str]:
+        return [f"figures: {nodeid}: {record.figures}"
+                for nodeid, record in sorted(self.tests.items()) if record.figures]
 
 
 def _counts(records: list[TestRecord]) -> str:

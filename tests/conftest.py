@@ -180,5 +180,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if is_xdist_worker(terminalreporter.config):
         return
-    for line in [*_SUITE.tier_lines(), *_SUITE.time_lines()]:
+    for line in [*_SUITE.tier_lines(), *_SUITE.time_lines(), *_SUITE.figure_lines()]:
         terminalreporter.write_line(line)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.budget import CEILING_S, SuiteRecord
+from tests.budget import CEILING_S, FIGURES, SuiteRecord
 
 
 @dataclass
@@ -64,3 +64,17 @@ def test_runs_merge_through_a_file(tmp_path: Path) -> None:
     assert set(second.tests) == {"a", "v"}
     assert second.tier_lines()[0] == "redis tier fakeredis: 1 passed"
     assert second.time_lines()[0].endswith("58 s in all")
+
+
+def test_a_learning_tests_figures_are_printed_pass_or_fail_across_runs(tmp_path: Path) -> None:
+    first, second = SuiteRecord(), SuiteRecord()
+    properties: list[tuple[str, Any]] = [
+        ("rollq_test", {"redis_tier": None, "vllm": True, "kind": "vllm"})]
+    first.reported(Report("learn", "call", 200.0, "failed",  # type: ignore[arg-type]
+                          [*properties, (FIGURES, "0.345 -> 0.502, bar 0.545")]))
+    _test(first, "quick", [0.1])
+    first.merge(tmp_path / "suite.json")
+    second.merge(tmp_path / "suite.json")
+    assert second.figure_lines() == ["figures: learn: 0.345 -> 0.502, bar 0.545"]
+    slowest = second.time_lines()[second.time_lines().index("slowest 2 tests:") + 1]
+    assert slowest.split()[:3] == ["200.0", "s", "vllm"] and slowest.endswith("learn")

@@ -12,9 +12,8 @@ Prefetch (``prefetch=True``, the default): once ``next_batch`` returns a batch, 
 one (same sizes) is read, checked, decoded and laid out while the caller trains; its
 groups stay queued, pending and unacked until it is handed out, staleness is judged at
 hand-out, and what the preparation meets is what the next call would have met. The rules
-are in ``consumers.trainer.prefetch``.
-
-Resume (checkpoint/resume neither skips nor repeats a group): ``consumers.trainer.resume``.
+are in ``consumers.trainer.prefetch``. Resume (checkpoint/resume neither skips nor repeats a
+group): ``consumers.trainer.resume``. A run no role has worked on: ``.unstarted``.
 """
 
 from __future__ import annotations
@@ -45,14 +44,10 @@ from rollq.consumers.trainer.sizing import BatchSize
 from rollq.consumers.trainer.staleness import is_stale
 from rollq.consumers.trainer.stats import TrainerStats
 from rollq.consumers.trainer.unstarted import RunCheck
-from rollq.consumers.trainer.waiting import WaitReporter
+from rollq.consumers.trainer.waiting import WaitReporter, stall_reason
 from rollq.consumers.trainer.weights import PolicyPublisher, SyncReport
 from rollq.schemas import BrokerUnavailable
-from rollq.schemas.keys import (
-    CONSUMED_COUNTER,
-    check_run_name,
-    stream_keys,
-)
+from rollq.schemas.keys import CONSUMED_COUNTER, check_run_name, stream_keys
 from rollq.schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.trainer")
@@ -105,8 +100,7 @@ class TrainerClient:
         self._recovering = False  # a Redis outage interrupted next_batch
         self._last_reclaim = 0.0
         self._empty_reads = 0
-        self._rider = OutageRider(give_up_s=self.settings.redis_give_up_s, what="trainer",
-                                  log=log)
+        self._rider = OutageRider(give_up_s=s.redis_give_up_s, what="trainer", log=log)
         self.stats = TrainerStats()
         """What this client did (batches, steps, staleness): the trainer's metrics."""
         self.last_sync: SyncReport | None = None
@@ -120,18 +114,13 @@ class TrainerClient:
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions, created = await self._ledger.register(self.settings.partitions)
-        # a trainer may start first; a typo in the run's name starts an empty run instead
         log.info("trainer_started", run=self.run, consumer=self.consumer,
                  partitions=self.partitions, new_run=created)
-        await self._run_check.at_start()
+        await self._run_check.at_start()  # a typo in --run: said at once (unstarted.py)
         await self._waits.check_admission(self.settings.batch_groups)
-        s = self.settings
         self._reader = StreamReader(
             self.redis, stream_keys(self.run, self.partitions, "scored"), TRAINER_GROUP,
-            self.consumer,
-            s.reader_settings(),
-            join_trajectories=True,
-        )
+            self.consumer, self.settings.reader_settings(), join_trajectories=True)
         await self._reader.ensure_groups()
         self._log_head = await self._ledger.log_head()
         await self._publisher.__aenter__()
@@ -322,9 +311,7 @@ class TrainerClient:
         return await self._rider.call(lambda: self._ack(batch))
 
     async def _ack(self, batch: BatchData) -> int:
-        books = self._books
-        held = [books.held[ref] for e in batch.entries if (ref := (e.stream, e.entry_id))
-                in books.held]
+        held, books = self._handed(batch), self._books
         fresh = [h for h in held if not h.replay]
         head = await self._ledger.record(
             [TrainedEntry(h.group.group_id, *h.ref) for h in fresh])
@@ -337,6 +324,33 @@ class TrainerClient:
         self.stats.acked(batch.entries, [h.group for h in held], counted)
         log.info("batch_acked", run=self.run, groups=len(held), consumed=counted)
         return counted
+
+    async def drop(self, batch: BatchData, reason: str = "stale") -> int:
+        """Settle a handed-out batch its trainer did not train (e.g. TRL's staleness
+        filter): ack it, counted ``drop:<reason>``, not recorded as trained."""
+        held = self._handed(batch)
+        dropped = await self._rider.call(lambda: self.reader.drop([h.delivery for h in held],
+                                                                  reason))
+        for h in held:
+            self._books.release(h)
+        return dropped
+
+    async def dead_letter(self, batch: BatchData, exc: Exception) -> None:
+        """Dead-letter a handed-out batch its trainer cannot take, with the reason
+        ``schemas.failures`` gives ``exc`` (a ``ContractError`` carrying ``reason``)."""
+        for h in self._handed(batch):
+            await self._rider.call(lambda d=h.delivery: self._reject(d, exc, refetch=True))
+            self._books.release(h)
+
+    def _handed(self, batch: BatchData) -> list[HeldGroup]:
+        return [self._books.held[r] for e in batch.entries
+                if (r := (e.stream, e.entry_id)) in self._books.held]
+
+    async def stall_reason(self) -> str:
+        """Why no group may be arriving, in one line (``consumers.trainer.waiting``)."""
+        return await stall_reason(self.redis, self.run, self.partitions,
+                                  await self.current_version(), self._rider,
+                                  self.settings.redis_give_up_s)
 
     async def current_version(self) -> int:
         """The version staleness is measured against: this client's own published (or
@@ -403,10 +417,9 @@ class TrainerClient:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._publisher.urls and self._run_check.unconfirmed:
-            version = await self._rider.call(self._ledger.policy_version)
-            if not await self._run_check.may_publish(step, len(self._publisher.urls), version):
-                return version  # no other role works on the run: nothing sent (unstarted)
+        if self._publisher.urls and self._run_check.unconfirmed and not await \
+                self._run_check.may_publish(step, len(self._publisher.urls)):
+            return await self._rider.call(self._ledger.policy_version)  # nothing sent
         method = self.settings.weight_sync
         raised: list[int] = []
 
@@ -463,7 +476,7 @@ class TrainerClient:
         self._empty_reads += 1
         waited = time.monotonic() - started
         if block_ms == 0 or waited < block_ms / 2000:  # no BLOCK (or fakeredis): back off
-            pause = min(1.0, 0.005 * 2**self._empty_reads)
+            pause = min(1.0, 0.005 * 2 ** min(self._empty_reads, 8))  # 2**1024 overflows
             if remaining_s is not None:
                 pause = min(pause, max(0.0, remaining_s - waited))
             if idle is None:

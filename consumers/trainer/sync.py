@@ -130,6 +130,18 @@ class SyncTrainerClient:
         """Blocking ``TrainerClient.ack``."""
         return self._call(self.client.ack(batch))
 
+    def drop(self, batch: BatchData, reason: str = "stale") -> int:
+        """Blocking ``TrainerClient.drop``."""
+        return self._call(self.client.drop(batch, reason))
+
+    def dead_letter(self, batch: BatchData, exc: Exception) -> None:
+        """Blocking ``TrainerClient.dead_letter``."""
+        self._call(self.client.dead_letter(batch, exc))
+
+    def stall_reason(self) -> str:
+        """Blocking ``TrainerClient.stall_reason``."""
+        return self._call(self.client.stall_reason())
+
     def state(self) -> dict[str, Any]:
         """``TrainerClient.state``, taken on the client's loop (the prefetch of the next
         batch may be changing the client's books there)."""

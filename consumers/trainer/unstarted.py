@@ -40,14 +40,14 @@ class RunCheck:
                         "role works on the run (new_run=True, or the example trainer's "
                         "--new-run, when it starts a new run)")
 
-    async def may_publish(self, step: int, servers: int, version: int) -> bool:
-        """Whether weights of ``step`` may go to the ``servers``; when not, one WARNING
-        (``version``: the run's version in force, which stays)."""
+    async def may_publish(self, step: int, servers: int) -> bool:
+        """Whether weights of ``step`` may go to the ``servers``; when not, one WARNING (the
+        run's version in force stays)."""
         if self.unconfirmed:
             self.unconfirmed = not await run_started(self.redis, self.run)
         if not self.unconfirmed:
             return True
-        log.warning("policy_not_published", run=self.run, step=step, in_force=version,
+        log.warning("policy_not_published", run=self.run, step=step,
                     message=f"weights of step {step} not sent to the {servers} inference "
                     f"server(s): run {self.run!r} did not exist when this trainer started "
                     "and no other role has worked on it yet; pass new_run=True (--new-run) "

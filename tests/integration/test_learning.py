@@ -32,6 +32,7 @@ from rollq.ops.local.stack import VllmProcess
 from rollq.producers.publisher import Publisher
 from rollq.schemas import decode_trajectory
 from rollq.schemas.keys import stream_key
+from tests.budget import record_figures
 from tests.redis_server import RedisServer
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
@@ -49,12 +50,14 @@ def options(tmp: Path, run: str, redis_url: str, vllm: VllmProcess, model: Path,
 
 
 def test_reward_rises_and_the_flipped_control_does_not(
-    vllm_server: VllmProcess, redis_server: RedisServer, tiny_model: Path, tmp_path: Path
+    vllm_server: VllmProcess, redis_server: RedisServer, tiny_model: Path, tmp_path: Path,
+    request: pytest.FixtureRequest
 ) -> None:
     learned = run_demo(options(tmp_path, "learn", redis_server.url, vllm_server, tiny_model,
                                steps=30), say=lambda _: None)
     assert len(learned.steps) == 30
     first, last = learned.reward_at(first=True), learned.reward_at(first=False)
+    record_figures(request, f"reward first 5 {first:.3f} -> last 5 {last:.3f} (bar +{MARGIN})")
     assert last > first + MARGIN, f"reward {first:.3f} -> {last:.3f}: did not learn"
     assert learned.plot is not None and learned.plot.stat().st_size > 0
     assert max(step["staleness"] for step in learned.steps) <= 1  # paced, never over the bound
@@ -62,6 +65,8 @@ def test_reward_rises_and_the_flipped_control_does_not(
     control = run_demo(options(tmp_path, "control", redis_server.url, vllm_server, tiny_model,
                                steps=30, flip_advantages=True), say=lambda _: None)
     first_c, last_c = control.reward_at(first=True), control.reward_at(first=False)
+    record_figures(request, f"reward first 5 {first:.3f} -> last 5 {last:.3f} (bar +{MARGIN}); "
+                   f"flipped control {first_c:.3f} -> {last_c:.3f} (bar < +0.02)")
     assert last_c < first_c + 0.02, f"flipped advantages still improved: {first_c} -> {last_c}"
 
 

@@ -18,6 +18,7 @@ from rollq.consumers.trainer import TrainerClient, TrainerClientSettings, Weight
 from rollq.consumers.trainer.lora import LoraAdapter
 from rollq.ops.local.stack import VllmProcess
 from rollq.schemas.keys import POLICY_VERSION_FIELD, state_key
+from tests.budget import record_figures
 from tests.redis_server import RedisServer
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
@@ -122,7 +123,7 @@ LEARNING_MARGIN = 0.01  # half the smallest gain measured in 5 runs (docstring b
 @pytest.mark.timeout(900)
 def test_a_lora_adapter_learns_through_the_loop(
         lora_server: VllmProcess, redis_server: RedisServer, tiny_model: Path,
-        tmp_path: Path) -> None:
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The digits demo of test_learning.py, training a rank-8 adapter: real workers naming
     each version's adapter, a real scorer, the example trainer with ``--weight-sync lora``.
 
@@ -142,4 +143,6 @@ def test_a_lora_adapter_learns_through_the_loop(
     assert {step["weight_sync"] for step in learned.steps} == {"lora"}
     assert all(step["sync_aborted_requests"] == 0 for step in learned.steps)
     first, last = learned.reward_at(first=True), learned.reward_at(first=False)
+    record_figures(request, f"reward first 5 {first:.3f} -> last 5 {last:.3f} "
+                   f"(bar +{LEARNING_MARGIN})")
     assert last > first + LEARNING_MARGIN, f"reward {first:.3f} -> {last:.3f}: did not learn"

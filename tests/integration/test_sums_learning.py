@@ -26,6 +26,7 @@ from rollq.ops.local.demo_sums import learning_curves
 from rollq.ops.local.stack import VllmProcess
 from rollq.ops.local.warm_start import WarmStartOptions, warm_start
 from rollq.producers.envs.sums import CHANCE
+from tests.budget import record_figures
 from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -52,7 +53,7 @@ def warm_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 def test_sums_accuracy_rises_through_rollq(
     vllm_server: VllmProcess, redis_server: RedisServer, warm_model: Path, tiny_model: Path,
-    tmp_path: Path
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     options = DemoOptions.for_task("sums", out=tmp_path / "sums", run="sums",
                                    redis_url=redis_server.url, inference=vllm_server.url,
@@ -69,6 +70,9 @@ def test_sums_accuracy_rises_through_rollq(
     start = json.loads((warm_model / "warm_start.json").read_text())["train_answer_probability"]
     accuracy = curves["steps"]["batch_accuracy"]
     last = sum(accuracy[-10:]) / 10
+    record_figures(request, f"warm start P {start:.3f} -> sampled accuracy of the last 10 "
+                   f"{last:.3f} (bar {start + MARGIN:.3f}); format min over 10 steps "
+                   f"{curves['format_min_10']:.3f} (bar 0.9)")
     assert last >= start + MARGIN, f"{start:.3f} -> {last:.3f}: {accuracy}"
     # The sampled batch (temperature 1) keeps the format: judged over windows of 10 steps
     # (1,280 completions), not per step. Single steps dip by chance: the README's learning

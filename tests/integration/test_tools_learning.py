@@ -24,10 +24,11 @@ import pytest
 
 from rollq.ops.local.demo import DemoOptions, run_demo
 from rollq.ops.local.demo_sums import learning_curves
+from tests.budget import record_figures
 from tests.integration.interpreters import vllm_python
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = 30
 RIGHT_FRACTION = 0.3
@@ -38,7 +39,8 @@ start's probability, then the last-10 mean at step 30 and at step 40): 0.345 -> 
 30), 0.858 (step 40), beside three other helpers' jobs (load 7-9)."""
 
 
-def test_tool_use_rises_through_the_gateway(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_tool_use_rises_through_the_gateway(redis_server: RedisServer, tmp_path: Path,
+                                            request: pytest.FixtureRequest) -> None:
     options = DemoOptions.for_task("tools", out=tmp_path / "tools", run="tools",
                                    redis_url=redis_server.url, vllm_python=vllm_python(),
                                    steps=STEPS, eval_every=0,
@@ -53,6 +55,8 @@ def test_tool_use_rises_through_the_gateway(redis_server: RedisServer, tmp_path:
     accuracy = curves["steps"]["batch_accuracy"]
     assert len(result.steps) == STEPS
     last = sum(accuracy[-10:]) / 10
+    record_figures(request, f"warm start P {start:.3f} -> sampled accuracy of the last 10 "
+                   f"{last:.3f} (bar {start + MARGIN:.3f})")
     assert last >= start + MARGIN, f"{start:.3f} -> {last:.3f}: {accuracy}"
     assert max(step["staleness"] for step in result.steps) <= 1
     assert result.plot is not None and result.plot.stat().st_size > 0

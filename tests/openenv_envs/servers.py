@@ -127,3 +127,7 @@ def dipg_dataset(directory: Path) -> Path:
     path = directory / "dipg.jsonl"
     path.write_text(json.dumps(DIPG_ROW) + "\n")
     return path
+
+
+if __name__ == "__main__":  # .ci/setup.sh: the third-party env's venv, made with the rest
+    print(third_party_python(DIPG, ".venv-openenv-dipg"))

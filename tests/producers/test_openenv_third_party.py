@@ -25,7 +25,7 @@ from tests.producers.fake_vllm import FakeVLLM
 from tests.producers.fake_vllm_server import serve_fake
 from tests.redis_server import RedisServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the first run installs DIPG
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # without .ci/setup.sh: installs DIPG
 RUN = "dipg"
 REPLIES = (
     "<|channel|>analysis<|message|>The trial reports it.<|end|><|channel|>proof<|message|>"

@@ -16,7 +16,10 @@ On the way:
   ``/tokenize`` of the messages, with ``tools``, or the same ids from a ``LocalTemplate``
   in this process, ``capture.render``) and compared with the *spliced* prompt:
   the earlier call's exact prompt and completion ids, the template's turn end the model did
-  not emit, then the rendering of the new messages (``rendered[len(through reply):]``). If
+  not emit, then the rendering of the new messages (``rendered[len(through reply):]``; when
+  the template renders the reply by its place, as Qwen3 drops an earlier turn's ``<think>``,
+  the common suffix of two renders with the reply replaced by stand-ins, ``capture.splice``;
+  a token-in reply splits reasoning as vLLM does, ``capture.reasoning``). If
   they differ (the template re-renders the earlier reply: BPE re-tokenisation, stripped
   reasoning, reformatted tool-call JSON), the call is sent **token-in**: the spliced ids to
   ``/v1/completions``, its reply turned into a chat message (tool calls parsed, Hermes
@@ -60,13 +63,14 @@ from typing import Any, Literal
 
 import structlog
 
+from rollq.producers.inference.capture.reasoning import assistant_message, thinking_on
 from rollq.producers.inference.capture.record import (
     CapturedCall,
     CapturedEpisode,
     CaptureStats,
     assemble_sequences,
 )
-from rollq.producers.inference.capture.toolcalls import parse_hermes
+from rollq.producers.inference.capture.splice import tail_after
 from rollq.producers.inference.capture.upstream import Upstream
 from rollq.producers.inference.errors import InferenceRequestError
 from rollq.producers.inference.parse import parse_chat, parse_completions
@@ -345,17 +349,23 @@ class EpisodeCapture:
                 return served
             return await self.upstream.render(messages, tools=tools, template_options=options)
 
+        reply_at = len(parent.messages)
         rendered, through, turn_end = await asyncio.gather(
             text_path(),
-            self.upstream.render(messages[:len(parent.messages) + 1], tools=tools,
+            self.upstream.render(messages[:reply_at + 1], tools=tools,
                                  add_generation_prompt=False, template_options=options),
             self.upstream.turn_end())
-        if rendered[:len(through)] != through:
+        if rendered[:len(through)] == through:
+            tail: list[int] | None = rendered[len(through):]
+        else:  # the template renders the reply by its place (Qwen3: <think> kept when last)
+            tail = await tail_after(self.upstream, messages, reply_at, rendered, turn_end,
+                                    tools=tools, options=options)
+        if tail is None:
             log.info("capture_splice_skipped", episode=self.episode_id,
                      reason="the template renders the conversation's prefix differently")
             return None, rendered
         spliced = [*parent.prompt_ids, *parent.completion_ids,
-                   *close_turn(parent.completion_ids, turn_end), *rendered[len(through):]]
+                   *close_turn(parent.completion_ids, turn_end), *tail]
         return spliced, rendered
 
     async def _chat_token_in(self, body: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
@@ -370,10 +380,11 @@ class EpisodeCapture:
             **request, "model": body["model"], "prompt": prompt_ids, "logprobs": top,
             "return_token_ids": True})
         [sample] = parse_completions(reply)
-        content: str | None = sample.text
-        tool_calls: list[dict[str, Any]] = []
-        if tools_on and self.tool_parser == "hermes":
-            content, tool_calls = parse_hermes(sample.text)
+        server_reasons = any(call.message is not None and not call.token_in  # its parser
+                             and call.message.get("reasoning") is not None for call in self.calls)
+        message = assistant_message(
+            sample.text, reasoning=server_reasons and thinking_on(body),
+            tools=tools_on, tool_parser=self.tool_parser)
         tops = (reply["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
         entries = [{"token": f"token_id:{token}", "logprob": logprob, "bytes": None,
                     "top_logprobs": [{"token": t, "logprob": lp, "bytes": None}
@@ -381,14 +392,12 @@ class EpisodeCapture:
                     if top and i < len(tops) else []}
                    for i, (token, logprob) in enumerate(zip(sample.completion_ids,
                                                             sample.logprobs, strict=True))]
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tools_on:
-            message["tool_calls"] = tool_calls
         return {
             "id": f"chatcmpl-{reply.get('id', '')}", "object": "chat.completion",
             "created": reply.get("created") or int(time.time()), "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": {"content": entries},
-                         "finish_reason": "tool_calls" if tool_calls else sample.finish_reason,
+                         "finish_reason": "tool_calls" if message.get("tool_calls")
+                         else sample.finish_reason,
                          "stop_reason": sample.stop_reason,
                          "token_ids": sample.completion_ids}],
             "usage": reply.get("usage"), "prompt_token_ids": prompt_ids,

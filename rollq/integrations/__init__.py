@@ -1,0 +1,2 @@
+"""Adapters for other trainers: ``rollq.integrations.trl`` (the ``trl`` extra). Each is
+``rollq.consumers.trainer.integrations.<framework>``, named here for short."""
