@@ -135,7 +135,7 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
     redis = aioredis.Redis.from_url(redis_url)
     try:
         base = {"inference_urls": (server.url,), "transfer_backend": "rollq_tcp",
-                "http_timeout_s": 600.0}
+                "http_timeout_s": 600.0, "new_run": True}
         reload = TrainerClient(redis, run=f"reload-{shape}", consumer="bench",
                                settings=TrainerClientSettings(weight_sync="reload", **base))
         transfer = TrainerClient(redis, run=f"transfer-{shape}", consumer="bench",

@@ -86,20 +86,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", default=os.environ.get("ROLLQ_REDIS_URL",
                                                               "redis://127.0.0.1:6379/0"))
-    parser.add_argument("--run", default=os.environ.get("ROLLQ_RUN", "default"))
-    parser.add_argument("--redis-ca-file", help="rediss://: CA bundle of the server's "
-                        "certificate [ROLLQ_REDIS_CA_FILE]")
-    parser.add_argument("--redis-cert-file", help="rediss://: client certificate, for "
-                        "servers that require one [ROLLQ_REDIS_CERT_FILE]")
-    parser.add_argument("--redis-key-file", help="rediss://: the client certificate's key "
-                        "[ROLLQ_REDIS_KEY_FILE]")
+    parser.add_argument("--run", default=os.environ.get("ROLLQ_RUN", "default"),
+                        help="the run to train on [ROLLQ_RUN, else %(default)s]")
+    parser.add_argument("--new-run", action="store_true",
+                        help="this trainer starts a new run: publish weights even before "
+                        "another role works on it (without: a warning, and none are sent)")
+    parser.add_argument("--redis-ca-file", help="rediss://: the server's CA bundle "
+                        "[ROLLQ_REDIS_CA_FILE]")
+    parser.add_argument("--redis-cert-file", help="client certificate [ROLLQ_REDIS_CERT_FILE]")
+    parser.add_argument("--redis-key-file", help="its key [ROLLQ_REDIS_KEY_FILE]")
     parser.add_argument("--model", required=True, help="initial model directory (HF layout)")
     parser.add_argument("--inference", default=os.environ.get("ROLLQ_INFERENCE", ""),
                         help="vLLM base URLs to publish weights to, comma-separated")
     parser.add_argument("--out", required=True, help="directory for weights and checkpoints")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--batch-groups", type=int, default=8)
-    parser.add_argument("--max-staleness", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=60,
+                        help="optimizer steps to train, then stop [%(default)s]")
+    parser.add_argument("--batch-groups", type=int, default=8,
+                        help="scored groups per optimizer step; the feeder's --batch-groups "
+                        "must be at least this [%(default)s]")
+    parser.add_argument("--max-staleness", type=int, default=1,
+                        help="drop groups more than this many policy versions old, as the "
+                        "feeder's --max-staleness [%(default)s]")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
     parser.add_argument("--warmup-steps", type=int, default=0,
@@ -420,7 +427,7 @@ def train(args: argparse.Namespace, stop: StopSignals) -> int:
                                      max_staleness=args.max_staleness, inference_urls=urls,
                                      weight_sync=args.weight_sync, transfer_backend=backend,
                                      lora_dir=str(out / "adapters"),
-                                     wait_log_s=args.wait_log_s,
+                                     wait_log_s=args.wait_log_s, new_run=args.new_run,
                                      redis_ca_file=args.redis_ca_file,
                                      redis_cert_file=args.redis_cert_file,
                                      redis_key_file=args.redis_key_file)

@@ -82,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default=os.environ.get("ROLLQ_REDIS_URL",
                                                               "redis://127.0.0.1:6379/0"))
     # not --run: torchrun would take it for an abbreviation of its own --run-path
-    parser.add_argument("--run-name", default=os.environ.get("ROLLQ_RUN", "default"))
+    parser.add_argument("--run-name", default=os.environ.get("ROLLQ_RUN", "default"),
+                        help="the run to train on [ROLLQ_RUN, else %(default)s]")
+    parser.add_argument("--new-run", action="store_true",
+                        help="this trainer starts a new run: publish weights even when no "
+                        "other role had registered it")
     parser.add_argument("--model", required=True, help="initial model (HF id or directory)")
     parser.add_argument("--inference", default=os.environ.get("ROLLQ_INFERENCE", ""),
                         help="vLLM base URLs to publish weights to, comma-separated")
@@ -249,7 +253,8 @@ def train(args: argparse.Namespace) -> int:
     backend = args.transfer_backend or ("rollq_tcp" if args.device == "cpu" else "nccl")
     settings = TrainerClientSettings(batch_groups=args.batch_groups,
                                      max_staleness=args.max_staleness, inference_urls=urls,
-                                     weight_sync=args.weight_sync, transfer_backend=backend)
+                                     weight_sync=args.weight_sync, transfer_backend=backend,
+                                     new_run=args.new_run)
     client = (SyncTrainerClient(args.redis_url, run=args.run_name, consumer=args.consumer,
                                 settings=settings).open() if rank == 0 else None)
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None

@@ -7,15 +7,25 @@ Each worker process of a run writes its own record (``schemas.keys.HEALTH_KEY``)
 
 so a process that died stops counting within ~11 s. ``rollq status`` and the metrics read
 them with one SCAN over the run's health keys (the control-plane Redis holds them).
+
+A worker process still waiting for its inference servers (``rollq workers`` checks them
+before it takes a job) has no arq record yet; it keeps a *waiting* record instead
+(``waiting_for_inference``), so ``rollq status`` tells a pool that waits for vLLM from one
+that is dead.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 import re
-from dataclasses import dataclass
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from typing import Any
 
-from rollq.schemas.keys import HEALTH_KEY, run_key
+from rollq.schemas.keys import HEALTH_INTERVAL_S, HEALTH_KEY, WAITING_KEY, run_key
 
 _FIELD = re.compile(rb"\b(j_complete|j_failed|j_retried|j_ongoing|queued)=(\d+)")
 FIELDS = {"j_complete": "complete", "j_failed": "failed", "j_retried": "retried",
@@ -40,6 +50,8 @@ class WorkersHealth:
     """Tries that ended in a retry."""
     queued: int
     """Jobs waiting in the run's queue, as the last record saw it."""
+    waiting: int = 0
+    """Worker processes alive but waiting for their inference servers (no job taken)."""
 
 
 def health_pattern(run: str) -> str:
@@ -66,7 +78,34 @@ def parse_health(records: list[bytes | None]) -> WorkersHealth:
 async def read_health(redis: Any, run: str) -> WorkersHealth:
     """The run's live workers (``redis``: an asyncio client of the control plane)."""
     keys = [key async for key in redis.scan_iter(match=health_pattern(run), count=1000)]
-    return parse_health(list(await redis.mget(keys)) if keys else [])
+    health = parse_health(list(await redis.mget(keys)) if keys else [])
+    waiting = [key async for key in redis.scan_iter(match=run_key(run, WAITING_KEY + "*"),
+                                                    count=1000)]
+    return replace(health, waiting=len(waiting))
+
+
+@contextlib.asynccontextmanager
+async def waiting_for_inference(redis: Any, run: str) -> AsyncIterator[None]:
+    """Keep this process's waiting record while the block runs (module docstring); best
+    effort: a Redis outage only hides the record."""
+    key = run_key(run, WAITING_KEY + f"{socket.gethostname()}-{os.getpid()}")
+
+    async def refresh() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # shielded: a cancel mid-command would
+                # leave its connection checked out of the pool, never closed
+                await asyncio.shield(redis.set(key, b"inference", ex=HEALTH_INTERVAL_S + 1))
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    task = asyncio.create_task(refresh(), name="rollq-workers-waiting")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        with contextlib.suppress(Exception):
+            await redis.delete(key)
 
 
 def read_health_sync(redis: Any, run: str) -> WorkersHealth:

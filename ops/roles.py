@@ -36,6 +36,7 @@ from rollq.ops.connections import (
     queue_url,
     redis_options,
 )
+from rollq.ops.health import waiting_for_inference
 from rollq.ops.looplag import LoopLagMonitor
 from rollq.ops.role_metrics import feeder_metrics, worker_metrics
 from rollq.ops.settings import (
@@ -45,12 +46,12 @@ from rollq.ops.settings import (
     ScorerSettings,
     WorkerSettings,
 )
-from rollq.ops.status import known_runs
-from rollq.ops.watchdog import RunWatchdog, watching
+from rollq.ops.watchdog import RunWatchdog, warn_if_unknown, watching
+from rollq.ops.watchdog import log as watchdog_log
 from rollq.ops.watching import Watched, probe_command, ride_out
 from rollq.producers.envs.base import Env
 from rollq.producers.envs.registry import make_env
-from rollq.producers.feeder import Feeder, FeedPlan
+from rollq.producers.feeder import Feeder, FeedPlan, record_plan
 from rollq.producers.inference import SamplingParams
 from rollq.producers.inference.served import check_served
 from rollq.producers.order import record_seed
@@ -63,7 +64,7 @@ from rollq.producers.worker import (
     queue_name,
     requeue_rollout,
 )
-from rollq.schemas import BrokerUnavailable, ConfigError
+from rollq.schemas import BrokerUnavailable, ConfigError, breaker
 from rollq.schemas.errors import REFUSALS, access_refused
 from rollq.schemas.heap import startup_done
 from rollq.schemas.keys import PARTITIONS_FIELD, state_key, stream_keys
@@ -111,13 +112,16 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *,
     config = load_reward_config(settings.reward_config, processes=settings.processes)
     redis = open_redis(settings)
     try:
-        existed = settings.run in await known_runs(redis)
+        existed = await warn_if_unknown(redis, settings.run, "scorer")
         partitions = await _partitions(redis, settings.run, settings.partitions)
         reader = StreamReader(redis, stream_keys(settings.run, partitions, "traj"), "scorers",
                               consumer_name(settings, "scorer"),
                               settings.reader_settings(settings.concurrency))
         async with RewardBridge(config) as bridge:
-            scorer = Scorer(bridge, config_fingerprint(config), redis)
+            notice = breaker.Notice(settings.run, "scorer", watchdog_log)
+            scorer = Scorer(bridge, config_fingerprint(config), redis, run=settings.run,
+                            zero_variance_breaker=settings.zero_variance_breaker,
+                            notice=notice)
             stage = Stage(reader, scorer, concurrency=settings.concurrency)
             log.info("scorer_started", run=settings.run, consumer=reader.consumer,
                      reward_config=scorer.config_name)
@@ -151,7 +155,7 @@ async def run_scorer(settings: ScorerSettings, stop: asyncio.Event, *,
             async with LoopLagMonitor("scorer") as lag, serve_metrics(
                     settings, "scorer", lag, stage_metrics(stage)), watching(RunWatchdog(
                         redis, settings.run, "scorer", stall_s=settings.stall_warning_s,
-                        existed=existed)):
+                        existed=existed, notice=notice)):
                 while not stop.is_set():
                     outages = rider.outages
                     try:
@@ -289,8 +293,10 @@ async def run_workers(settings: WorkerSettings, *, burst: bool = False,
     try:
         for connection in watched:  # at start-up both must answer at once (exit 69 otherwise)
             await connection.probe()
-        existed = settings.run in await known_runs(data)
-        if not await _inference_checked(settings, stopping, transport):
+        existed = await warn_if_unknown(data, settings.run, "workers")
+        async with waiting_for_inference(queue, settings.run):
+            checked = await _inference_checked(settings, stopping, transport)
+        if not checked:
             log.info("workers_stopped", jobs_complete=0, jobs_retried=0)
             return
         async with LoopLagMonitor("workers") as lag, serve_metrics(
@@ -385,6 +391,7 @@ async def run_feeder(settings: FeederSettings, stop: asyncio.Event) -> None:
         await record_seed(redis, settings.run, settings.shuffle_seed)
         plan = FeedPlan(dataset_size=len(env), epochs=settings.epochs,
                         max_staleness=settings.max_staleness, batch_groups=settings.batch_groups)
+        await record_plan(redis, settings.run, plan)
 
         async def enqueue(position: int) -> bool:
             return await enqueue_rollout(queue, settings.run, env.name, position,

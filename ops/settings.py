@@ -174,6 +174,10 @@ class ScorerSettings(ReaderTuning):
     """Groups scored at once by one scorer process."""
     processes: int = Field(default=2, ge=1)
     """Worker processes for CPU-heavy reward components (math-verify)."""
+    zero_variance_breaker: int = Field(default=16, ge=0)
+    """Consecutive groups dropped as zero-variance (every completion of a group got the same
+    reward: no signal for GRPO) after which the scorer stops the run's admission through
+    its circuit breaker until ``rollq runs resume``; 0: never stop."""
     trim_every_s: float = Field(default=30.0, gt=0)
     """Seconds between the scorer's housekeeping rounds: trimming what every consumer group
     acked (older than ``retention_s``), dead letters past ``dead_retention_s`` and idle

@@ -20,7 +20,6 @@ from rollq.schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
-    RUNS_KEY,
     STREAM_NAMES,
     counters_key,
     queue_name,
@@ -104,11 +103,6 @@ class RunStatus:
             document["accounting"] |= {"held": self.accounting.held,
                                        "unaccounted": self.accounting.unaccounted}
         return document
-
-
-async def known_runs(redis: aioredis.Redis) -> list[str]:
-    async with translated_errors("listing runs"):
-        return sorted(r.decode() for r in await redis.smembers(RUNS_KEY))
 
 
 async def collect_status(redis: aioredis.Redis, run: str, reward_window: int = 64, *,
@@ -196,7 +190,8 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
     lines += [
         f"run {status.run}: {status.partitions} partition(s), policy_version "
         f"{status.policy_version}, admitted {status.admitted}, "
-        f"scored {status.counters.get('scored', 0)}, consumed {status.counters.get('consumed', 0)}"
+        f"scored {status.counters.get('scored', 0)} (forwarded to the trainer; drops below), "
+        f"consumed {status.counters.get('consumed', 0)}"
         f", requeued {status.counters.get('requeued', 0)}"
     ]
     if previous is not None:
@@ -221,8 +216,11 @@ def render_status(status: RunStatus, previous: RunStatus | None = None) -> str:
                          f"{group.pending:>8} {lag:>6} {idle:>15}")
     if status.workers is not None:
         w = status.workers
-        lines.append(f"workers: {w.alive} alive, jobs {w.running} running, {w.queued} queued, "
-                     f"{w.complete} complete, {w.failed} failed, {w.retried} retried")
+        waiting = (f", {w.waiting} waiting for their inference servers (no job taken yet: "
+                   "start vLLM, or check --inference)" if w.waiting else "")
+        lines.append(f"workers: {w.alive} alive{waiting}, jobs {w.running} running, "
+                     f"{w.queued} queued, {w.complete} complete, {w.failed} failed, "
+                     f"{w.retried} retried")
     accounting = status.accounting
     if accounting is not None:
         held = "?" if accounting.held is None else str(accounting.held)

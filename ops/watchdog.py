@@ -5,8 +5,9 @@ Every feeder, worker pool and scorer runs a ``RunWatchdog`` beside its work. Eve
 group scored or consumed; when neither happened for ``stall_warning_s``, the watchdog logs
 ONE WARNING naming the first cause that fits, and nothing more until the run moves again:
 
-- ``run_not_found_at_start``: the run did not exist when this role started and nothing has
-  happened in it since: a typo in ``--run`` (the line names the known runs);
+- ``run_not_found_at_start`` is said at start-up instead (``warn_if_unknown``, at once:
+  a typo in ``--run``, the line names the known runs); a run still untouched when the stall
+  time is up adds no second line;
 - ``groups_all_zero_variance``: every group scored meanwhile was dropped as zero-variance
   (with the count and the run's share): the reward gives GRPO no signal;
 - ``admission_budget_exhausted`` (the feeder, which knows the budget): the budget is 0 and
@@ -32,8 +33,6 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import structlog
 
-from rollq.consumers.trainer.waiting import TRAINER_WAITING_FIELD
-from rollq.ops.status import known_runs
 from rollq.producers.admission import outstanding
 from rollq.producers.feeder import Feeder
 from rollq.schemas import BrokerUnavailable, breaker
@@ -44,11 +43,13 @@ from rollq.schemas.keys import (
     DROP_PREFIX,
     PARTITIONS_FIELD,
     SCORED_COUNTER,
+    TRAINER_WAITING_FIELD,
     counters_key,
     state_key,
     stream_key,
     sum_counters,
 )
+from rollq.schemas.runs import known_runs, run_started, unknown_run_message
 
 log = structlog.get_logger("rollq.watchdog")
 ZERO_VARIANCE = DROP_PREFIX + "zero_variance"
@@ -93,7 +94,7 @@ class RunWatchdog:
 
     def __init__(self, redis: aioredis.Redis, run: str, role: str, *, stall_s: float,
                  existed: bool = True, feeder: Feeder | None = None,
-                 check_s: float | None = None) -> None:
+                 check_s: float | None = None, notice: breaker.Notice | None = None) -> None:
         self.redis = redis
         self.run = run
         self.role = role
@@ -105,7 +106,7 @@ class RunWatchdog:
         """The stall warning logged since the last progress (None: none)."""
         self._last: Reading | None = None  # at the last progress
         self._since = time.monotonic()
-        self._breaker = breaker.Notice(run, role, log)
+        self._breaker = notice or breaker.Notice(run, role, log)
 
     async def read(self) -> Reading:
         async with translated_errors("watching the run"):
@@ -146,13 +147,7 @@ class RunWatchdog:
     async def _warn(self, reading: Reading, before: Reading, stalled_s: float) -> str:
         quiet = round(stalled_s)
         if not self.existed and reading.untouched:
-            others = [run for run in await known_runs(self.redis) if run != self.run]
-            log.warning("run_not_found_at_start", run=self.run, role=self.role, quiet_s=quiet,
-                        known_runs=others, message=(
-                            f"run {self.run!r} did not exist when this {self.role} started "
-                            f"and nothing has happened in it for {quiet} s; known runs: "
-                            f"{', '.join(others) or 'none'}: a typo in --run?"))
-            return "run_not_found_at_start"
+            return "run_not_found_at_start"  # said at start-up (warn_if_unknown)
         dropped = reading.zero_variance - before.zero_variance
         if dropped > 0:
             total = reading.zero_variance + reading.scored
@@ -219,6 +214,19 @@ class RunWatchdog:
             with contextlib.suppress(BrokerUnavailable):
                 await self.check()
             await asyncio.sleep(self.check_s)
+
+
+async def warn_if_unknown(redis: aioredis.Redis, run: str, role: str) -> bool:
+    """Whether ``run`` exists (some role worked on it: ``schemas.runs.run_started``) as
+    ``role`` starts; when not, ONE WARNING at once: the known runs and how a run comes to
+    exist."""
+    if await run_started(redis, run):
+        return True
+    known = await known_runs(redis)
+    others = [name for name in known if name != run]
+    log.warning("run_not_found_at_start", run=run, role=role, known_runs=others,
+                message=unknown_run_message(run, role, known))
+    return False
 
 
 @contextlib.asynccontextmanager

@@ -57,6 +57,8 @@ from rollq.schemas.breaker import Tripped
 from rollq.schemas.errors import REFUSALS, access_refused, translated_errors
 from rollq.schemas.keys import (
     ADMITTED_FIELD,
+    FEED_BATCH_GROUPS_FIELD,
+    FEED_MAX_STALENESS_FIELD,
     PARTITIONS_FIELD,
     POLICY_VERSION_FIELD,
     counters_key,
@@ -155,6 +157,14 @@ async def read_feed_state(redis: aioredis.Redis, run: str) -> FeedState:
         waiting=waiting,
         partitions=partitions,
     )
+
+
+async def record_plan(redis: aioredis.Redis, run: str, plan: FeedPlan) -> None:
+    """Record the feeder's budget terms in the run's state, where a trainer reads them to
+    name a ``batch_groups`` larger than the feeder's (``consumers.trainer.waiting``)."""
+    async with translated_errors("recording the feeder's settings"):
+        await redis.hset(state_key(run), mapping={FEED_BATCH_GROUPS_FIELD: plan.batch_groups,
+                                                  FEED_MAX_STALENESS_FIELD: plan.max_staleness})
 
 
 class Feeder:
@@ -269,9 +279,8 @@ class Feeder:
     async def _breaker_open(self) -> bool:
         """Trip the breaker when the failure streak calls for it; log ONE error line per
         trip (and one line when a resume closed it)."""
-        if self.trip_after is None:
-            return False
-        tripped = await breaker.trip(self.redis, self.run, self.trip_after)
+        tripped = (await breaker.read(self.redis, self.run) if self.trip_after is None
+                   else await breaker.trip(self.redis, self.run, self.trip_after))
         if tripped is None:
             if self.tripped is not None:
                 log.info("admission_resumed", run=self.run)

@@ -32,7 +32,9 @@ exceeds arq's ``max_tries``, or when its job key expired before any worker took 
 - the job body catches every exception and ends in ``Retry`` or in a dead letter written
   before it returns normally; if the dead letter itself cannot be written (Redis away), it
   raises ``Retry`` so that a later try writes it;
-- it enforces the job timeout itself, ``TIMEOUT_MARGIN_S`` before arq's;
+- it enforces the job timeout itself, ``TIMEOUT_MARGIN_S`` before arq's, and closes the
+  try's gateway episodes as the timeout expires (or the try is cancelled or fails), even
+  while an agent that ignores the cancellation still runs (``producers.envs.episode``);
 - arq's ``max_tries`` is ``EXTRA_TRIES`` above rollq's, so a try that arq starts after the
   last allowed try's worker died (or could not write its dead letter) still reaches the
   body, which dead-letters the job (``job_timeout``) without running it again;
@@ -64,6 +66,7 @@ from arq.constants import job_key_prefix, result_key_prefix, retry_key_prefix
 from arq.worker import Worker, func
 
 from rollq.producers.envs.base import Env, close_env
+from rollq.producers.envs.episode import JobEpisodes, job_episodes
 from rollq.producers.inference import InferencePool, SamplingParams
 from rollq.producers.publisher import Publisher
 from rollq.producers.rollout import PolicyVersionSource, RolloutRunner
@@ -162,23 +165,31 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
                 f"be written)")
         else:
             deadline = asyncio.timeout(timeout_s)
-            try:
-                async with deadline:
-                    runner.check_job(env, items)
-                    entry_id = await runner.run_job(group_id, position)
-                ctx[OUTCOMES][PUBLISHED] += 1
-                await _streak(record_success(runner.publisher.redis, runner.run))
-                return entry_id
-            except asyncio.CancelledError:
-                # A graceful stop past its grace period (or arq's own timeout): arq puts
-                # the job back in the queue; the try it took is given back.
-                await asyncio.shield(_uncount_try(ctx))
-                raise
-            except ConfigError as exc:
-                raise await _refused(ctx, exc) from exc
-            except Exception as exc:
-                if isinstance(exc, TimeoutError) and deadline.expired():
-                    exc = _ran_past(timeout_s, exc)
+            with job_episodes() as episodes:
+                due = _close_when_due(timeout_s, episodes)
+                try:
+                    async with deadline:
+                        runner.check_job(env, items)
+                        entry_id = await runner.run_job(group_id, position)
+                    ctx[OUTCOMES][PUBLISHED] += 1
+                    await _streak(record_success(runner.publisher.redis, runner.run))
+                    return entry_id
+                except asyncio.CancelledError:
+                    # A graceful stop past its grace period (or arq's own timeout): arq puts
+                    # the job back in the queue; the try it took is given back.
+                    await asyncio.shield(episodes.close_all("the try was cancelled"))
+                    await asyncio.shield(_uncount_try(ctx))
+                    raise
+                except ConfigError as exc:
+                    raise await _refused(ctx, exc) from exc
+                except Exception as caught:
+                    # past the deadline, a timeout of the try's own tasks (a TaskGroup's
+                    # group of them) is the try's timeout
+                    exc = (_ran_past(timeout_s, caught) if deadline.expired()
+                           and _timed_out(caught) else caught)
+                    await asyncio.shield(episodes.close_all("the try failed"))
+                finally:
+                    due.cancel()
                 verdict = decide(exc, attempt=try_number, max_attempts=max_tries,
                                  retry_unexpected=True)
                 if verdict.retry:
@@ -202,6 +213,30 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
         return "dead_lettered"
     finally:
         structlog.contextvars.unbind_contextvars("group_id", "job_try")
+
+
+_CLOSING: set[asyncio.Task[int]] = set()  # closes under way (the loop keeps weak references)
+
+
+def _close_when_due(timeout_s: float, episodes: JobEpisodes) -> asyncio.TimerHandle:
+    """Close the try's open gateway episodes as its timeout expires, without waiting for the
+    try to unwind: an agent that ignores the cancellation must not hold them
+    (``producers.envs.episode``)."""
+    loop = asyncio.get_running_loop()
+
+    def due() -> None:
+        task = loop.create_task(episodes.close_all("the try ran past its timeout"))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+
+    return loop.call_later(timeout_s, due)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """A TimeoutError, or an exception group holding one."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.subgroup(TimeoutError) is not None
+    return isinstance(exc, TimeoutError)
 
 
 def _ran_past(timeout_s: float, cause: BaseException) -> TimeoutError:

@@ -13,6 +13,12 @@ the time in the state hash and admits nothing until someone *resumes* the run
 most the admission budget, so at most the streak plus the jobs in flight at the trip — no
 more than twice the budget — end as dead letters.
 
+A reward with no signal trips the same breaker: the scorers keep a *zero-variance streak*
+(groups dropped as ``zero_variance`` since the last forwarded group) and, when it reaches
+their ``zero_variance_breaker`` setting, trip it themselves with reason ``zero_variance``
+(``record_zero_variance``): every completion of each group got the same reward, so GRPO
+learns nothing and the run would spend its dataset for nothing.
+
 Everything is one Lua call per verb on the state hash (one key: any Redis, Cluster too).
 It lives in the leaf package because the workers write it, the feeder trips it, and every
 role (the trainer SDK included) reads it.
@@ -45,6 +51,10 @@ TRIPPED_FIELD = "breaker_tripped_at"
 TRIPPED_REASON_FIELD = "breaker_reason"
 TRIPPED_DETAIL_FIELD = "breaker_detail"
 TRIPPED_STREAK_FIELD = "breaker_streak"
+ZERO_VARIANCE_STREAK_FIELD = "zero_variance_streak"
+ZERO_VARIANCE = "zero_variance"
+"""The drop reason of a group whose completions all got the same reward; as a breaker
+reason: the last ``streak`` scored groups were all dropped so."""
 
 # KEYS[1] state; ARGV[1] reason, ARGV[2] detail, ARGV[3] 1 when the reason builds a streak.
 _FAILED = """
@@ -77,6 +87,24 @@ redis.call('HSET', KEYS[1], 'breaker_tripped_at', ARGV[2],
            'breaker_streak', streak)
 return 1
 """
+# KEYS[1] state; ARGV[1] '1' when the read forwarded a group (the streak restarts), ARGV[2]
+# zero-variance drops since the read's last forward (or in the whole read), ARGV[3] threshold
+# (0: never trip), ARGV[4] now, ARGV[5] detail. Returns 1 when this call opened the breaker.
+_ZERO_VARIANCE = """
+local streak
+if ARGV[1] == '1' then
+  redis.call('HSET', KEYS[1], 'zero_variance_streak', ARGV[2])
+  streak = tonumber(ARGV[2])
+else
+  streak = redis.call('HINCRBY', KEYS[1], 'zero_variance_streak', ARGV[2])
+end
+local threshold = tonumber(ARGV[3])
+if threshold == 0 or streak < threshold then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'breaker_tripped_at') == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'breaker_tripped_at', ARGV[4], 'breaker_reason', 'zero_variance',
+           'breaker_detail', ARGV[5], 'breaker_streak', streak)
+return 1
+"""
 RESUME_COMMAND = "rollq runs resume {run}"
 """What a user runs to admit jobs again once the cause is fixed (``{run}``: the run)."""
 
@@ -96,6 +124,14 @@ class Tripped:
 
     def explain(self, run: str) -> str:
         """One line: why admission stopped, and how to resume."""
+        if self.reason == ZERO_VARIANCE:
+            return (f"admission stopped: the last {self.streak} groups scored in run {run!r} "
+                    "were all dropped as zero-variance: every completion of a group got the "
+                    "same reward, so GRPO has nothing to learn from and the run would spend "
+                    "its dataset for nothing; use a reward with partial credit (a score "
+                    "between 0 and 1), a larger --group-size or a higher temperature, easier "
+                    "or harder items, or zero_variance: keep; then run "
+                    f"`{RESUME_COMMAND.format(run=run)}`")
         return (f"admission stopped: the last {self.streak} rollout jobs of run {run!r} all "
                 f"failed with {self.reason} ({self.detail[:300]}); fix the cause, then run "
                 f"`{RESUME_COMMAND.format(run=run)}`")
@@ -112,6 +148,18 @@ async def record_success(redis: aioredis.Redis, run: str) -> None:
     """A published group ends any failure streak."""
     async with translated_errors("ending a failure streak"):
         await redis.eval(_SUCCEEDED, 1, state_key(run))
+
+
+async def record_zero_variance(redis: aioredis.Redis, run: str, *, forwarded: bool,
+                               dropped: int, threshold: int) -> Tripped | None:
+    """Count a scored read's zero-variance drops (``forwarded``: the read forwarded a group,
+    ``dropped``: its zero-variance drops after the last forward, or all of them); the breaker
+    this call opened when the streak reached ``threshold`` (0: never), else None."""
+    async with translated_errors("recording a zero-variance streak"):
+        opened = await redis.eval(_ZERO_VARIANCE, 1, state_key(run), "1" if forwarded else "0",
+                                  str(dropped), str(threshold), repr(time.time()),
+                                  "every completion of each group got the same reward")
+    return await read(redis, run) if opened else None
 
 
 async def trip(redis: aioredis.Redis, run: str, threshold: int) -> Tripped | None:
@@ -141,7 +189,7 @@ async def resume(redis: aioredis.Redis, run: str) -> Tripped | None:
         pipe = redis.pipeline(transaction=True)
         pipe.hdel(state_key(run), TRIPPED_FIELD, TRIPPED_REASON_FIELD, TRIPPED_DETAIL_FIELD,
                   TRIPPED_STREAK_FIELD)
-        pipe.hset(state_key(run), STREAK_FIELD, "0")
+        pipe.hset(state_key(run), mapping={STREAK_FIELD: "0", ZERO_VARIANCE_STREAK_FIELD: "0"})
         await pipe.execute()
     return was
 
@@ -158,7 +206,10 @@ class Notice:
 
     async def check(self, redis: aioredis.Redis) -> Tripped | None:
         """Read the breaker; log it when it tripped since the last check."""
-        tripped = await read(redis, self.run)
+        return self.seen(await read(redis, self.run))
+
+    def seen(self, tripped: Tripped | None) -> Tripped | None:
+        """Log ``tripped`` (the breaker as just read) unless this notice logged it already."""
         if tripped is not None and tripped.at != self._seen:
             self.log.error("admission_stopped", run=self.run, role=self.role,
                            reason=tripped.reason, streak=tripped.streak,

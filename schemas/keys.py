@@ -40,6 +40,11 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 PARTITIONS_FIELD = "partitions"
 POLICY_VERSION_FIELD = "policy_version"
 ADMITTED_FIELD = "admitted"  # groups the feeder enqueued, ever
+TRAINER_WAITING_FIELD = "trainer_waiting_groups"
+"""Groups the run's trainer has waited for longer than ``wait_log_s`` (absent: no trainer
+waits); ``consumers.trainer.waiting`` writes it."""
+FEED_BATCH_GROUPS_FIELD = "feed_batch_groups"  # the running feeder's batch_groups
+FEED_MAX_STALENESS_FIELD = "feed_max_staleness"  # and its max_staleness (its budget's terms)
 
 # Fields of the per-partition counters hash.
 SCORED_COUNTER = "scored"  # groups the scorers forwarded
@@ -149,6 +154,10 @@ HEALTH_KEY = "workers:health:"
 ``… j_complete=N j_failed=N j_retried=N j_ongoing=N queued=N``, refreshed every
 ``HEALTH_INTERVAL_S`` and expiring a second later (``producers.worker`` writes them,
 ``ops.health`` reads them)."""
+WAITING_KEY = "workers:waiting:"
+"""``run_key(run, WAITING_KEY + name)``: a worker process that waits for its inference servers
+before it takes a job (no arq health record yet); refreshed every ``HEALTH_INTERVAL_S``,
+expiring a second later (``ops.health``)."""
 HEALTH_INTERVAL_S = 10
 
 

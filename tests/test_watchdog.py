@@ -15,14 +15,18 @@ import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
 from rollq.consumers.trainer import TrainerClient, TrainerClientSettings
-from rollq.consumers.trainer.waiting import TRAINER_WAITING_FIELD
 from rollq.ops.roles import run_feeder, run_scorer, run_workers
 from rollq.ops.settings import FeederSettings, ScorerSettings, WorkerSettings
 from rollq.ops.watchdog import RunWatchdog
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import queue_name
 from rollq.schemas import breaker
-from rollq.schemas.keys import CONSUMED_COUNTER, counters_key, state_key
+from rollq.schemas.keys import (
+    CONSUMED_COUNTER,
+    TRAINER_WAITING_FIELD,
+    counters_key,
+    state_key,
+)
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer

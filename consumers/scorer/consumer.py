@@ -25,6 +25,12 @@ sees all of them; one scoped to the group still sees only its group), and each g
 still forwarded, dropped or failed on its own. One call per read rather than a task per
 entry: inline components then run as one plain loop over the read's samples, and pool or
 HTTP components get the whole read's samples at once.
+
+No signal, no spending: with a ``run`` and a ``zero_variance_breaker`` above 0, each read
+also extends the run's zero-variance streak (``schemas.breaker``): the groups dropped as
+zero-variance since the last forwarded group. When it reaches the setting, the scorer trips
+the run's circuit breaker, the feeder admits nothing more and every role logs one ERROR
+line saying what it means and what to do.
 """
 
 from __future__ import annotations
@@ -45,10 +51,12 @@ from rollq.consumers.scorer.errors import ScoringError
 from rollq.consumers.scorer.sample import Sample
 from rollq.consumers.stage import BatchTransform, Drop, Forward, Outcome
 from rollq.schemas import (
+    BrokerUnavailable,
     Fields,
     ScoredGroup,
     SequenceScore,
     TrajectoryGroup,
+    breaker,
     encode_scores,
 )
 from rollq.schemas.columns import TrajectoryColumns
@@ -95,11 +103,19 @@ class Scorer:
     """The transform a scoring ``Stage`` runs on each traj entry."""
 
     def __init__(self, bridge: RewardBridge, config_name: str,
-                 redis: aioredis.Redis | None = None) -> None:
+                 redis: aioredis.Redis | None = None, *, run: str | None = None,
+                 zero_variance_breaker: int = 0,
+                 notice: breaker.Notice | None = None) -> None:
         self.bridge = bridge
         self.config_name = config_name
         self.redis = redis
         """Where flags are counted; None: not counted (rescore, tests)."""
+        self.run = run
+        """The run whose zero-variance streak the reads extend (None: none is kept)."""
+        self.zero_variance_breaker = zero_variance_breaker
+        """Consecutive zero-variance drops that trip the run's breaker (0: never)."""
+        self.notice = notice or (breaker.Notice(run, "scorer", log) if run else None)
+        """Logs the breaker this scorer trips (shared with the role's watchdog: one line)."""
 
     @property
     def batch_transform(self) -> BatchTransform:
@@ -214,7 +230,30 @@ class Scorer:
         except Exception as exc:  # those entries are retried; the read's others go on
             for index in flagged_at:
                 results[index] = exc
-        return [result for result in results if result is not None]
+        settled = [result for result in results if result is not None]
+        await self._count_zero_variance(settled)
+        return settled
+
+    async def _count_zero_variance(self, results: Sequence[Outcome | Exception]) -> None:
+        """Extend the run's zero-variance streak by this read (module docstring); best
+        effort: a Redis outage is the role's outage rider's to report, and the next read
+        counts again."""
+        if self.redis is None or self.run is None or self.notice is None:
+            return
+        forwarded = any(isinstance(r, Forward) for r in results)
+        tail = list(itertools.takewhile(lambda r: not isinstance(r, Forward), reversed(results)))
+        dropped = sum(1 for r in tail if isinstance(r, Drop) and r.reason == breaker.ZERO_VARIANCE)
+        if not forwarded and not dropped:
+            return
+        try:
+            tripped = await breaker.record_zero_variance(
+                self.redis, self.run, forwarded=forwarded, dropped=dropped,
+                threshold=self.zero_variance_breaker)
+        except BrokerUnavailable as exc:
+            log.debug("zero_variance_not_counted", run=self.run, error=str(exc))
+            return
+        if tripped is not None:
+            self.notice.seen(tripped)
 
     async def _count_flags(self, flagged: Sequence[tuple[Delivery, Sequence[str]]]) -> None:
         # Flags are informational (the group is still forwarded), so they are counted with

@@ -12,9 +12,8 @@ Prefetch (``prefetch=True``, the default): once ``next_batch`` returns a batch, 
 one (same sizes) is read, checked, decoded and laid out while the caller trains; its
 groups stay queued, pending and unacked until it is handed out, staleness is judged at
 hand-out, and what the preparation meets is what the next call would have met. The rules
-are in ``consumers.trainer.prefetch``.
-
-Resume (checkpoint/resume neither skips nor repeats a group): ``consumers.trainer.resume``.
+are in ``consumers.trainer.prefetch``. Resume (checkpoint/resume neither skips nor repeats a
+group): ``consumers.trainer.resume``. A run no role has worked on: ``.unstarted``.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ from rollq.consumers.trainer.settings import TrainerClientSettings
 from rollq.consumers.trainer.sizing import BatchSize
 from rollq.consumers.trainer.staleness import is_stale
 from rollq.consumers.trainer.stats import TrainerStats
+from rollq.consumers.trainer.unstarted import RunCheck
 from rollq.consumers.trainer.waiting import WaitReporter, stall_reason
 from rollq.consumers.trainer.weights import PolicyPublisher, SyncReport
 from rollq.schemas import BrokerUnavailable
@@ -100,8 +100,7 @@ class TrainerClient:
         self._recovering = False  # a Redis outage interrupted next_batch
         self._last_reclaim = 0.0
         self._empty_reads = 0
-        self._rider = OutageRider(give_up_s=self.settings.redis_give_up_s, what="trainer",
-                                  log=log)
+        self._rider = OutageRider(give_up_s=s.redis_give_up_s, what="trainer", log=log)
         self.stats = TrainerStats()
         """What this client did (batches, steps, staleness): the trainer's metrics."""
         self.last_sync: SyncReport | None = None
@@ -111,19 +110,17 @@ class TrainerClient:
             run=self.run, name=f"rollq-prefetch-{self.consumer}")
         self._lock = asyncio.Lock()  # one next_batch (or load_state) at a time
         self._waits = WaitReporter(redis, self.run, self.settings.wait_log_s)
+        self._run_check = RunCheck(redis, self.run, new_run=self.settings.new_run)
 
     async def __aenter__(self) -> TrainerClient:
         self.partitions, created = await self._ledger.register(self.settings.partitions)
-        # a trainer may start first; a typo in the run's name starts an empty run instead
         log.info("trainer_started", run=self.run, consumer=self.consumer,
                  partitions=self.partitions, new_run=created)
-        s = self.settings
+        await self._run_check.at_start()  # a typo in --run: said at once (unstarted.py)
+        await self._waits.check_admission(self.settings.batch_groups)
         self._reader = StreamReader(
             self.redis, stream_keys(self.run, self.partitions, "scored"), TRAINER_GROUP,
-            self.consumer,
-            s.reader_settings(),
-            join_trajectories=True,
-        )
+            self.consumer, self.settings.reader_settings(), join_trajectories=True)
         await self._reader.ensure_groups()
         self._log_head = await self._ledger.log_head()
         await self._publisher.__aenter__()
@@ -420,6 +417,9 @@ class TrainerClient:
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if self._publisher.urls and self._run_check.unconfirmed and not await \
+                self._run_check.may_publish(step, len(self._publisher.urls)):
+            return await self._rider.call(self._ledger.policy_version)  # nothing sent
         method = self.settings.weight_sync
         raised: list[int] = []
 

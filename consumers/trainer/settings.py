@@ -85,6 +85,12 @@ class TrainerClientSettings:
     ids are only checked to be >= 0."""
     partitions: int = 1
     """Partition count to register when the run does not exist yet (the stored count wins)."""
+    new_run: bool = False
+    """This trainer starts a new run: publish weights to ``inference_urls`` even when no
+    other role had registered the run. False: a run that did not exist when the client
+    started (a typo in its name?) is warned about at once (``run_not_found_at_start``), and
+    ``publish_policy`` sends nothing to the servers, which may serve another run, until
+    some other role has worked on the run (admitted, published or scored a group)."""
     redis_give_up_s: float = 300.0
     """How long ``next_batch``, ``ack`` and ``publish_policy`` ride out a Redis outage
     (seconds of continuous failure) before they raise ``BrokerUnavailable``; 0 fails at

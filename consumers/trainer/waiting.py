@@ -8,6 +8,11 @@ the run's state hash how many groups the trainer waits for (``TRAINER_WAITING_FI
 the feeder can name a ``--batch-groups`` mismatch (``ops.watchdog``). The field is removed
 when the batch is handed out. An open circuit breaker (``schemas.breaker``) is logged once,
 at ERROR: the trainer waits in vain until the run is resumed.
+
+A trainer whose step takes more groups than the run's feeder admits per step (the feeder
+records its ``batch_groups`` and ``max_staleness`` in the run's state) waits forever after a
+few steps: ``check_admission`` says so at WARNING when the client starts and again at every
+``trainer_waiting`` line (``batch_groups_exceed_admission``).
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ import structlog
 from rollq.consumers.bus import stream_stats
 from rollq.schemas import BrokerUnavailable, breaker
 from rollq.schemas.errors import translated_errors
-from rollq.schemas.keys import state_key, stream_keys
+from rollq.schemas.keys import (
+    FEED_BATCH_GROUPS_FIELD,
+    FEED_MAX_STALENESS_FIELD,
+    TRAINER_WAITING_FIELD,
+    state_key,
+    stream_keys,
+)
 from rollq.schemas.outage import OutageRider
 
 log = structlog.get_logger("rollq.trainer")
 
-TRAINER_WAITING_FIELD = "trainer_waiting_groups"
-"""State-hash field: groups the run's trainer has waited for longer than ``wait_log_s``
-(absent: no trainer waits)."""
 
 
 class WaitReporter:
@@ -66,6 +74,31 @@ class WaitReporter:
             if wanted is not None:
                 await self._recorded(wanted)
             await self._check_breaker()
+            await self.check_admission(wanted)
+
+    async def check_admission(self, wanted: int | None) -> None:
+        """Warn when steps of ``wanted`` groups outrun what the run's feeder admits (module
+        docstring); nothing when the feeder has not recorded its settings, or Redis is away."""
+        if wanted is None:
+            return
+        try:
+            async with translated_errors("reading the feeder's settings"):
+                batch, staleness = await self.redis.hmget(
+                    state_key(self.run), [FEED_BATCH_GROUPS_FIELD, FEED_MAX_STALENESS_FIELD])
+        except BrokerUnavailable:
+            return
+        if batch is None or staleness is None or wanted <= int(batch):
+            return
+        step = stalled_step(wanted, int(batch), int(staleness))
+        log.warning("batch_groups_exceed_admission", run=self.run, trainer_batch_groups=wanted,
+                    feed_batch_groups=int(batch), feed_max_staleness=int(staleness),
+                    stalls_at_step=step, message=(
+                        f"this trainer takes {wanted} groups a step but the run's feeder "
+                        f"admits {int(batch)} a step: at most (max_staleness {int(staleness)} "
+                        f"+ policy_version + 1) × batch_groups {int(batch)} groups ever, so "
+                        f"step {step} waits forever (a deadlock); run `rollq feed` with "
+                        f"--batch-groups {wanted}, or this trainer with --batch-groups "
+                        f"{int(batch)}"))
 
     async def _recorded(self, wanted: int | None) -> None:
         """Record (or, with None, clear) the groups this trainer waits for; best effort: a
@@ -84,6 +117,16 @@ class WaitReporter:
     async def _check_breaker(self) -> None:
         with contextlib.suppress(BrokerUnavailable):
             await self._breaker.check(self.redis)
+
+
+def stalled_step(wanted: int, batch_groups: int, max_staleness: int) -> int:
+    """The first step a trainer taking ``wanted`` groups a step never gets, under a feeder
+    admitting ``(max_staleness + version + 1) × batch_groups`` in all (``wanted`` above
+    ``batch_groups``): step ``v + 1`` needs ``(v + 1) × wanted`` groups admitted."""
+    version = 0
+    while (max_staleness + version + 1) * batch_groups >= (version + 1) * wanted:
+        version += 1
+    return version + 1
 
 
 async def stall_reason(redis: aioredis.Redis, run: str, partitions: int, version: int,

@@ -33,8 +33,8 @@ from rollq.ops.dead import (
     requeue,
 )
 from rollq.ops.settings import CommonSettings
-from rollq.ops.status import known_runs
 from rollq.schemas.keys import check_run_name
+from rollq.schemas.runs import known_runs
 
 _CONFIRM_SHOWN = 10
 _DETAIL_WIDTH = 70

@@ -23,10 +23,11 @@ from rollq.ops.cli.common import (
 from rollq.ops.connections import is_cluster_url, open_queue_redis
 from rollq.ops.lifecycle import stop_on_signals
 from rollq.ops.settings import CommonSettings
-from rollq.ops.status import RunNotFound, collect_status, known_runs, render_status
+from rollq.ops.status import RunNotFound, collect_status, render_status
 from rollq.ops.tail import printer
 from rollq.schemas.keys import STREAM_NAMES, stream_keys
 from rollq.schemas.outage import OutageRider, StoppedDuringOutage
+from rollq.schemas.runs import known_runs
 
 
 def status_flags(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from rollq.ops.cli.common import (
 )
 from rollq.ops.lifecycle import stop_on_signals
 from rollq.ops.settings import FeederSettings, ScorerSettings, WorkerSettings
-from rollq.ops.status import known_runs
+from rollq.schemas.runs import known_runs
 
 
 def workers_flags(parser: argparse.ArgumentParser) -> None:

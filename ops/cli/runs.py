@@ -135,8 +135,11 @@ async def _resume(redis: aioredis.Redis, name: str) -> int:
     if was is None:
         print(f"run {run!r} was admitting jobs: nothing to resume")
     else:
+        why = (f"{was.streak} groups were dropped as zero-variance"
+               if was.reason == breaker.ZERO_VARIANCE
+               else f"{was.streak} jobs failed with {was.reason}")
         print(f"run {run!r} resumed: the feeder admits jobs again (it had stopped after "
-              f"{was.streak} jobs failed with {was.reason})")
+              f"{why})")
     return int(Exit.OK)
 
 

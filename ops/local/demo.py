@@ -394,7 +394,7 @@ def trainer_argv(options: DemoOptions, model: Path, inference: str, out: Path,
             "--inference", inference, "--out", str(out), "--steps", str(options.steps),
             "--batch-groups", str(options.batch_groups), "--lr", str(options.lr),
             "--max-staleness", str(options.max_staleness), "--metrics", str(metrics),
-            "--seed", str(options.seed)]
+            "--seed", str(options.seed), "--new-run"]  # the demo's run is its own
     if options.kl_coef:
         argv += ["--kl-coef", str(options.kl_coef)]
     if options.warmup_steps:

@@ -42,7 +42,9 @@ def load_records(source: str | Path, *, split: str = "train", subset: str | None
     """
     path = Path(source)
     if data_files is None and path.suffix in (".jsonl", ".json", ".parquet") and not path.is_file():
-        raise ConfigError(f"dataset file {str(source)!r} does not exist")
+        raise ConfigError(f"dataset file {str(source)!r} does not exist; --env gsm8k without "
+                          "--env-option source=... uses its built-in sample (200 GSM8K-style "
+                          "problems, producers/data/gsm8k_sample.jsonl)")
     if data_files is None and path.suffix in (".jsonl", ".json") and path.is_file():
         text = path.read_text(encoding="utf-8")
         if text.lstrip().startswith("["):  # a .json array rather than JSON lines

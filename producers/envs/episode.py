@@ -33,14 +33,26 @@ own error class, e.g. ``openai.BadRequestError``, which would otherwise be an
 (ending it on a full context, say) keeps its group; an episode that made no model call is
 a ``ContractError``; anything else the episode raises goes to the worker's failure
 taxonomy as is.
+
+A job's episodes close with the job: the worker runs each try inside ``job_episodes()``,
+which records every episode a ``GatewayEpisodeEnv`` opens for it; when the try runs past its
+timeout (or is cancelled), the worker closes the ones still open at once
+(``JobEpisodes.close_all``), whether or not the agent gives up its task: a hung agent that
+ignores the cancellation no longer holds a gateway episode until ``episode_ttl_s``. A
+remote episode's id is chosen before its open is sent, so an open cut short by the timeout
+is closed too.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import structlog
 
 from rollq.producers.envs.base import (
     AgentEnv,
@@ -59,10 +71,52 @@ from rollq.producers.inference.capture import (
     EpisodeClient,
     EpisodeGateway,
     LocalGateway,
+    OpenEpisode,
     Upstream,
 )
 from rollq.producers.inference.capture.render import LocalTemplate
 from rollq.schemas import Completion, ContractError, InferenceUnavailable
+
+log = structlog.get_logger("rollq.episodes")
+
+
+class JobEpisodes:
+    """The gateway episodes a rollout job's try has open (module docstring)."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, tuple[EpisodeGateway, OpenEpisode]] = {}
+        self.closed_early: set[str] = set()
+        """Episodes ``close_all`` closed while their agent still ran."""
+
+    async def close_all(self, why: str) -> int:
+        """Close every episode still open (best effort: a gateway that is away forgets them
+        at ``episode_ttl_s``); how many were open."""
+        left = list(self.open.items())
+        self.open.clear()
+        for episode_id, (gateway, episode) in left:
+            self.closed_early.add(episode_id)
+            try:
+                await gateway.close(episode)
+            except Exception as exc:  # the job's own outcome stands
+                log.warning("episode_not_closed", episode=episode_id, error=str(exc))
+        if left:
+            log.info("job_episodes_closed", episodes=len(left), why=why)
+        return len(left)
+
+
+_JOB_EPISODES: contextvars.ContextVar[JobEpisodes | None] = contextvars.ContextVar(
+    "rollq_job_episodes", default=None)
+
+
+@contextlib.contextmanager
+def job_episodes() -> Iterator[JobEpisodes]:
+    """Record the episodes opened inside the block (its tasks too) for one job's try."""
+    episodes = JobEpisodes()
+    token = _JOB_EPISODES.set(episodes)
+    try:
+        yield episodes
+    finally:
+        _JOB_EPISODES.reset(token)
 
 
 def as_result(value: Any) -> EpisodeResult:
@@ -214,22 +268,33 @@ class GatewayEpisodeEnv(RecordItems):
         gateway = self._gateway(pool)
         stamp = None if isinstance(gateway, LocalGateway) else await policy_version()
 
+        job = _JOB_EPISODES.get()
+
+        async def close(opened: OpenEpisode) -> CapturedEpisode:
+            if job is not None:
+                if opened.episode_id in job.closed_early:
+                    raise TimeoutError(f"episode {opened.episode_id} was closed when its job "
+                                       "ran past its timeout")
+                job.open.pop(opened.episode_id, None)
+            return await gateway.close(opened)
+
         async def episode(index: int) -> tuple[CapturedEpisode, EpisodeResult]:
             params = episode_sampling(sampling, index)
-            opened = await gateway.open(defaults=params.body(), policy_version=policy_version)
+            opened = await gateway.open(defaults=params.body(), policy_version=policy_version,
+                                        opening=None if job is None else job.open)
             try:
                 value = await self.workflow.run(dict(item.fields), base_url=opened.base_url,
                                                 http_client=opened.http_client,
                                                 api_key=self.api_key)
             except Exception as exc:
-                failure = episode_failure(index, await gateway.close(opened))
+                failure = episode_failure(index, await close(opened))
                 if failure is None:
                     raise
                 raise failure from exc
             except BaseException:  # cancelled: the gateway still forgets the episode
-                await gateway.close(opened)
+                await close(opened)
                 raise
-            return await gateway.close(opened), as_result(value)
+            return await close(opened), as_result(value)
 
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(episode(index)) for index in range(group_size)]

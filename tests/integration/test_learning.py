@@ -125,7 +125,7 @@ async def test_weight_reload_changes_outputs_and_stamped_version(
                 parameter.add_(torch.randn_like(parameter) * 0.5)
         model.save_pretrained(tmp_path / "perturbed", safe_serialization=True)
         await Publisher(real_redis, "reload").register()
-        settings = TrainerClientSettings(inference_urls=(vllm_server.url,))
+        settings = TrainerClientSettings(inference_urls=(vllm_server.url,), new_run=True)
         async with TrainerClient(real_redis, run="reload", consumer="t",
                                  settings=settings) as client:
             try:

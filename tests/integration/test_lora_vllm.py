@@ -88,7 +88,8 @@ async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logp
     url = lora_server.url
     ids = tokens(url, PROMPT)
     settings = TrainerClientSettings(inference_urls=(url,), weight_sync="lora",
-                                     lora_dir=str(tmp_path / "adapters"), max_staleness=1)
+                                     lora_dir=str(tmp_path / "adapters"), max_staleness=1,
+                                     new_run=True)
     models = {step: adapted(tiny_model, seed=step) for step in (1, 2, 3)}
     async with TrainerClient(redis, run="lora-sync", consumer="t", settings=settings) as tc:
         for step, model in models.items():
@@ -104,7 +105,7 @@ async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logp
         assert sorted(os.listdir(tmp_path / "adapters")) == ["policy-v2", "policy-v3"]
 
     both = TrainerClientSettings(inference_urls=(url, vllm_server.url), weight_sync="lora",
-                                 lora_dir=str(tmp_path / "adapters"))
+                                 lora_dir=str(tmp_path / "adapters"), new_run=True)
     async with TrainerClient(redis, run="lora-sync", consumer="t", settings=both) as tc:
         with pytest.raises(WeightSyncError) as raised:
             await tc.publish_policy(4, adapter_of(models[1]))

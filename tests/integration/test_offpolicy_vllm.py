@@ -119,7 +119,7 @@ async def redis(redis_server: RedisServer) -> Any:
 async def test_an_abort_pause_that_meets_a_generation_counts_the_request_it_aborted(
         fresh: VllmProcess, redis: aioredis.Redis, tiny_model: Path) -> None:
     settings = TrainerClientSettings(inference_urls=(fresh.url,), pause_mode="abort",
-                                     http_timeout_s=60.0)
+                                     http_timeout_s=60.0, new_run=True)
     body = {"model": "rollq-tiny", "prompt": [5, 6, 7], "max_tokens": 440, "ignore_eos": True,
             "logprobs": 0}
     async with TrainerClient(redis, run="aborts", consumer="t", settings=settings) as tc, \

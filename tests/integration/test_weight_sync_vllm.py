@@ -85,7 +85,7 @@ async def run_version(redis: aioredis.Redis, run: str) -> int:
 
 def client(redis: aioredis.Redis, run: str, *urls: str, **settings: Any) -> TrainerClient:
     given: dict[str, Any] = {"weight_sync": "transfer", "transfer_backend": "rollq_tcp",
-                             "http_timeout_s": 60.0, **settings}
+                             "http_timeout_s": 60.0, "new_run": True, **settings}
     return TrainerClient(redis, run=run, consumer="trainer",
                          settings=TrainerClientSettings(inference_urls=urls, **given))
 
@@ -296,7 +296,8 @@ async def main():
                 time.sleep(600)  # killed here
             yield pair
     settings = TrainerClientSettings(inference_urls=(sys.argv[3],), weight_sync="transfer",
-                                     transfer_backend="rollq_tcp", transfer_chunk_bytes=65536)
+                                     transfer_backend="rollq_tcp", transfer_chunk_bytes=65536,
+                                     new_run=True)
     redis = aioredis.Redis.from_url(sys.argv[1])
     async with TrainerClient(redis, run="killed", consumer="t", settings=settings) as tc:
         await tc.publish_policy(1, model)

@@ -24,6 +24,7 @@ pytest.importorskip("safetensors")
 def trainer(redis: aioredis.Redis, fake: FakeVllm, *urls: str, **settings: object) -> TrainerClient:
     return TrainerClient(redis, run=RUN, consumer="rank0", transport=fake.transport(),
                          settings=TrainerClientSettings(inference_urls=urls, weight_sync="lora",
+                                                        new_run=True,
                                                         **settings))  # type: ignore[arg-type]
 
 

@@ -49,7 +49,7 @@ def test_sync_training_loop_with_checkpoint_and_resume(
     redis, plain = clients
     publish(plain, *(f"g{i}" for i in range(6)))
     fake = FakeVllm()
-    settings = TrainerClientSettings(block_ms=50, inference_urls=("http://a:1",))
+    settings = TrainerClientSettings(block_ms=50, inference_urls=("http://a:1",), new_run=True)
     with SyncTrainerClient(redis(), run=RUN, consumer="rank0", settings=settings,
                            transport=fake.transport()) as tc:
         batch = tc.next_batch(groups=2)

@@ -17,7 +17,8 @@ SEQUENCE = ["/pause?mode=keep", "/collective_rpc", "/reset_prefix_cache",
 def trainer(redis: aioredis.Redis, fake: FakeVllm, *urls: str, **settings: object) -> TrainerClient:
     return TrainerClient(
         redis, run=RUN, consumer="rank0", transport=fake.transport(),
-        settings=TrainerClientSettings(inference_urls=urls, **settings),  # type: ignore[arg-type]
+        settings=TrainerClientSettings(inference_urls=urls, new_run=True,
+                                       **settings),  # type: ignore[arg-type]
     )
 
 

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import ssl
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,9 +46,15 @@ class OpenEpisode:
     """The client that reaches ``base_url`` (None: any HTTP client does)."""
 
 
+Opening = dict[str, tuple["EpisodeGateway", OpenEpisode]]
+"""Where an ``open`` records its episode, by id, as soon as it exists at the gateway (before
+the open returns): a job that times out mid-open closes it all the same
+(``producers.envs.episode.JobEpisodes``)."""
+
+
 class EpisodeGateway(Protocol):
-    async def open(self, *, defaults: dict[str, Any],
-                   policy_version: PolicyVersionReader | None) -> OpenEpisode: ...
+    async def open(self, *, defaults: dict[str, Any], policy_version: PolicyVersionReader | None,
+                   opening: Opening | None = None) -> OpenEpisode: ...
 
     async def close(self, episode: OpenEpisode) -> CapturedEpisode: ...
 
@@ -75,8 +82,8 @@ class LocalGateway:
         self._open = 0
         self._listening: tuple[LoopbackListener, asyncio.Future[None]] | None = None
 
-    async def open(self, *, defaults: dict[str, Any],
-                   policy_version: PolicyVersionReader | None) -> OpenEpisode:
+    async def open(self, *, defaults: dict[str, Any], policy_version: PolicyVersionReader | None,
+                   opening: Opening | None = None) -> OpenEpisode:
         self._open += 1
         try:
             if self._listening is None:
@@ -90,8 +97,11 @@ class LocalGateway:
         capture = self.hub.open(defaults=defaults, policy_version=policy_version)
         client = httpx.AsyncClient(transport=self.transport, base_url=listener.url,
                                    timeout=None)
-        return OpenEpisode(capture.episode_id,
-                           f"{listener.url}/episodes/{capture.episode_id}/v1", client)
+        opened = OpenEpisode(capture.episode_id,
+                             f"{listener.url}/episodes/{capture.episode_id}/v1", client)
+        if opening is not None:
+            opening[opened.episode_id] = (self, opened)
+        return opened
 
     async def close(self, episode: OpenEpisode) -> CapturedEpisode:
         try:
@@ -131,11 +141,14 @@ class RemoteGateway:
         self.transport = transport
         self.timeout_s = timeout_s
 
-    async def open(self, *, defaults: dict[str, Any],
-                   policy_version: PolicyVersionReader | None) -> OpenEpisode:
-        body = await self._post("/episodes", {"defaults": defaults})
-        episode_id = str(body["episode_id"])
-        return OpenEpisode(episode_id, f"{self.url}/episodes/{episode_id}/v1", None)
+    async def open(self, *, defaults: dict[str, Any], policy_version: PolicyVersionReader | None,
+                   opening: Opening | None = None) -> OpenEpisode:
+        episode_id = uuid.uuid4().hex  # chosen here: an open cut short can still be closed
+        opened = OpenEpisode(episode_id, f"{self.url}/episodes/{episode_id}/v1", None)
+        if opening is not None:
+            opening[episode_id] = (self, opened)
+        await self._post("/episodes", {"episode_id": episode_id, "defaults": defaults})
+        return opened
 
     async def close(self, episode: OpenEpisode) -> CapturedEpisode:
         path = f"/episodes/{episode.episode_id}/close"
