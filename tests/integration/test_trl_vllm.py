@@ -25,6 +25,7 @@ import pytest
 from rollq.ops.local.demo import DemoOptions, read_metrics, start_roles
 from rollq.ops.local.process_groups import Processes
 from rollq.ops.local.stack import VllmProcess
+from tests.budget import record_figures
 from tests.redis_server import RedisServer
 
 pytest.importorskip("trl", reason="needs the trl extra")
@@ -73,8 +74,10 @@ def mean_reward(rows: list[dict[str, Any]]) -> float:
 
 
 def test_trl_learns_through_rollq(vllm_server: VllmProcess, redis_server: RedisServer,
-                                  tiny_model: Path, tmp_path: Path) -> None:
+                                  tiny_model: Path, tmp_path: Path,
+                                  request: pytest.FixtureRequest) -> None:
     rows = run_example(tmp_path, "trl", redis_server.url, vllm_server, tiny_model, STEPS)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     first, last = mean_reward(rows[:5]), mean_reward(rows[-5:])
+    record_figures(request, f"reward first 5 {first:.3f} -> last 5 {last:.3f} (bar +{MARGIN})")
     assert last > first + MARGIN, f"reward {first:.3f} -> {last:.3f}: TRL did not learn"
