@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import re
@@ -111,6 +112,15 @@ def adapter(model: Any) -> LoraAdapter:
     return LoraAdapter(model.peft_config["default"].to_dict(), get_peft_model_state_dict(model))
 
 
+def on_base(adapted: Any, base: Any) -> Any:
+    """``adapted``'s adapter on ``base``'s weights."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    model = get_peft_model(copy.deepcopy(base), adapted.peft_config["default"])
+    set_peft_model_state_dict(model, get_peft_model_state_dict(adapted))
+    return model.eval()
+
+
 def nudge_adapter(model: Any, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -174,7 +184,10 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
                     if repeat:
                         runs[method].append((time.monotonic() - started,
                                              report.paused_seconds, report.bytes_moved))
-            gaps["lora"] = largest_gap(server.url, adapted, f"policy-v{version}")
+            # the server applies the adapter to the base that reload and transfer last put
+            # there (``model``, nudged since), not to the one ``adapted`` was made from
+            gaps["lora"] = largest_gap(server.url, on_base(adapted, model),
+                                       f"policy-v{version}")
             gaps["transfer"] = largest_gap(server.url, model)
             nudge(model, 9999)
             model.save_pretrained(weights, safe_serialization=True)
