@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +25,12 @@ from rollq.schemas.keys import state_key
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
+from tests.test_watchdog import role
 from tests.trainer.helpers import FakeVllm
 from tests.waiting import until
 
 SAME_LENGTH_REWARD = ("components:\n  - name: length\n    component: length_bounty\n"
                       "advantages: {zero_variance: drop}\n")
-
-
-@contextlib.asynccontextmanager
-async def role(start: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[Any]]:
-    task = asyncio.create_task(start)
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def errors_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
