@@ -39,8 +39,9 @@ the warm start's probability then the last-10 mean, each run beside other jobs:
 0.345 -> 0.742 (three other sessions' jobs, load 7-9; 0.858 had it run to step 40);
 0.345 -> 0.805 and 0.345 -> 0.806 (each beside a CI run and two or three other jobs, load
 10-23); 0.345 -> 0.720 in a CI run on a fresh clone (quiet machine, 232 s); and two CI runs
-passed without recording their figures. The lowest, 0.720, clears the bar by 0.175. A sixth run beside a CI run's vLLM tier (load ~13) did not finish its 30 steps in
-900 s, hence the 1,200 s timeout. A broken capture stays at the start (~0.35)."""
+passed without recording their figures. The lowest, 0.720, clears the bar by 0.175.
+A sixth run beside a CI run's vLLM tier (load ~13) did not finish its 30 steps in 900 s,
+hence the 1,200 s timeout. A broken capture stays at the start (~0.35)."""
 
 
 def test_tool_use_rises_through_the_gateway(redis_server: RedisServer, tmp_path: Path,
