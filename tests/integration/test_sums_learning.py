@@ -39,7 +39,7 @@ probability of the right sum plus MARGIN (0.176 + 0.15 = 0.326). Measured on 2 C
 the warm start's probability then the last-10 mean (format: the lowest 10-step window):
 0.176 -> 0.500 (three other sessions' jobs, load 6-8; 0.519 had it run to step 40);
 0.176 -> 0.530 (format 0.946), 0.504 (0.942) and 0.527 (0.959), each beside a CI run and two
-or three other jobs (load 10-23); 0.176 -> 0.504 (0.952) in a CI run on a fresh clone
+or three other jobs (load 10-23); 0.504 and 0.505 (0.952) in two CI runs on fresh clones
 (quiet machine, 71 s); and two CI runs passed without recording their figures. The lowest,
 0.500, clears the bar by 0.17; the format floor 0.9 sits 0.04 under the lowest window."""
 

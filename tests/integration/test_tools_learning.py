@@ -38,7 +38,7 @@ probability of the right answer plus MARGIN (0.345 + 0.2 = 0.545). Measured on 2
 the warm start's probability then the last-10 mean, each run beside other jobs:
 0.345 -> 0.742 (three other sessions' jobs, load 7-9; 0.858 had it run to step 40);
 0.345 -> 0.805 and 0.345 -> 0.806 (each beside a CI run and two or three other jobs, load
-10-23); 0.345 -> 0.720 in a CI run on a fresh clone (quiet machine, 232 s); and two CI runs
+10-23); 0.720 and 0.784 in two CI runs on fresh clones (quiet machine, 232 s); two CI runs
 passed without recording their figures. The lowest, 0.720, clears the bar by 0.175.
 A sixth run beside a CI run's vLLM tier (load ~13) did not finish its 30 steps in 900 s,
 hence the 1,200 s timeout. A broken capture stays at the start (~0.35)."""
