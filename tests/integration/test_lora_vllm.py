@@ -75,15 +75,8 @@ def served_adapters(url: str) -> set[str]:
     return {entry["id"] for entry in data if entry["id"].startswith("policy-")}
 
 
-@pytest.fixture
-async def redis(redis_server: RedisServer) -> Any:
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
-
-
 async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logprobs(
-        lora_server: VllmProcess, vllm_server: VllmProcess, redis: aioredis.Redis,
+        lora_server: VllmProcess, vllm_server: VllmProcess, real_redis: aioredis.Redis,
         tiny_model: Path, tmp_path: Path) -> None:
     url = lora_server.url
     ids = tokens(url, PROMPT)
@@ -91,7 +84,7 @@ async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logp
                                      lora_dir=str(tmp_path / "adapters"), max_staleness=1,
                                      new_run=True)
     models = {step: adapted(tiny_model, seed=step) for step in (1, 2, 3)}
-    async with TrainerClient(redis, run="lora-sync", consumer="t", settings=settings) as tc:
+    async with TrainerClient(real_redis, run="lora-sync", consumer="t", settings=settings) as tc:
         for step, model in models.items():
             await tc.publish_policy(step, adapter_of(model))
             assert tc.last_sync is not None and tc.last_sync.paused_seconds == 0
@@ -106,13 +99,13 @@ async def test_each_version_is_loaded_while_serving_and_serves_the_trainers_logp
 
     both = TrainerClientSettings(inference_urls=(url, vllm_server.url), weight_sync="lora",
                                  lora_dir=str(tmp_path / "adapters"), new_run=True)
-    async with TrainerClient(redis, run="lora-sync", consumer="t", settings=both) as tc:
+    async with TrainerClient(real_redis, run="lora-sync", consumer="t", settings=both) as tc:
         with pytest.raises(WeightSyncError) as raised:
             await tc.publish_policy(4, adapter_of(models[1]))
     assert set(raised.value.failures) == {vllm_server.url}  # it serves no adapters
     assert "--enable-lora" in raised.value.failures[vllm_server.url]
     assert served_adapters(url) == {"policy-v2", "policy-v3"}  # v4 taken back
-    assert int(await redis.hget(state_key("lora-sync"), POLICY_VERSION_FIELD) or -1) == 3
+    assert int(await real_redis.hget(state_key("lora-sync"), POLICY_VERSION_FIELD) or -1) == 3
 
 
 LEARNING_LR = 2e-2  # 10x the full fine-tune's 2e-3, as usual for LoRA

@@ -30,7 +30,6 @@ from rollq.consumers.trainer.layout import PaddedArrays, pad_groups
 from rollq.ops.local.stack import VllmProcess
 from rollq.producers.inference import InferencePool, SamplingParams
 from rollq.schemas import ScoredGroup, SequenceScore, TrajectoryGroup
-from tests.redis_server import RedisServer
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
 transformers = pytest.importorskip("transformers", reason="needs the train extra")
@@ -109,20 +108,13 @@ def test_samples_record_the_servers_logprobs_mode_and_the_correction_sees_stalen
     assert abs(third["is_ratio_mean"] - 1) > 1e-3, third
 
 
-@pytest.fixture
-async def redis(redis_server: RedisServer) -> Any:
-    client = aioredis.Redis.from_url(redis_server.url)
-    yield client
-    await client.aclose()
-
-
 async def test_an_abort_pause_that_meets_a_generation_counts_the_request_it_aborted(
-        fresh: VllmProcess, redis: aioredis.Redis, tiny_model: Path) -> None:
+        fresh: VllmProcess, real_redis: aioredis.Redis, tiny_model: Path) -> None:
     settings = TrainerClientSettings(inference_urls=(fresh.url,), pause_mode="abort",
                                      http_timeout_s=60.0, new_run=True)
     body = {"model": "rollq-tiny", "prompt": [5, 6, 7], "max_tokens": 440, "ignore_eos": True,
             "logprobs": 0}
-    async with TrainerClient(redis, run="aborts", consumer="t", settings=settings) as tc, \
+    async with TrainerClient(real_redis, run="aborts", consumer="t", settings=settings) as tc, \
             httpx.AsyncClient(timeout=120) as http:
         for step, head_start in enumerate((0.3, 0.1, 0.02), start=1):
             generation = asyncio.create_task(http.post(f"{fresh.url}/v1/completions",
