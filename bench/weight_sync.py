@@ -65,18 +65,36 @@ from rollq.ops.local.tiny_model import write_tiny_model
 PROMPT = "the quick brown fox 1 2 3"
 
 
-def largest_gap(url: str, model: Any, served: str = "rollq-tiny") -> float:
+def served_logprobs(url: str, prompt: str, served: str) -> list[float]:
+    """The server's logprob of each prompt token after the first (greedy, ``echo``)."""
     response = httpx.post(f"{url}/v1/completions", timeout=300, json={
-        "model": served, "prompt": PROMPT, "max_tokens": 1, "echo": True,
-        "logprobs": 0, "temperature": 0}).json()
-    served = response["choices"][0]["logprobs"]["token_logprobs"][1:-1]
+        "model": served, "prompt": prompt, "max_tokens": 1, "echo": True,
+        "logprobs": 0, "temperature": 0})
+    response.raise_for_status()
+    # echo: the prompt's tokens (the first has none), then the one generated
+    return [float(v) for v in response.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1]]
+
+
+def forward_logprobs(url: str, model: Any, prompt: str, name: str) -> list[float]:
+    """The same logprobs from a torch forward of ``model`` over the server's tokens."""
     tokens = httpx.post(f"{url}/tokenize", timeout=60,
-                        json={"model": "rollq-tiny", "prompt": PROMPT}).json()["tokens"]
+                        json={"model": name, "prompt": prompt}).json()["tokens"]
     ids = torch.tensor([tokens])
     with torch.no_grad():
         logits = model(ids).logits.float()
-    own = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    return max(abs(a - float(b)) for a, b in zip(served, own, strict=True))
+    chosen = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    return [float(v) for v in chosen]
+
+
+def largest_gap(url: str, model: Any, prompts: tuple[str, ...] | list[str] = (PROMPT,), *,
+                name: str = "rollq-tiny", served: str | None = None) -> float:
+    """Largest difference between the served logprobs and ``model``'s over ``prompts``.
+
+    ``name`` is the served base model (it tokenizes); ``served`` the name generating, when
+    another (a LoRA adapter's)."""
+    return max(abs(a - b) for prompt in prompts for a, b in zip(
+        served_logprobs(url, prompt, served or name),
+        forward_logprobs(url, model, prompt, name), strict=True))
 
 
 def drop_from_page_cache(directory: Path) -> None:
@@ -187,7 +205,7 @@ async def measure(shape: str, repeats: int, vllm_python: str, directory: Path,
             # the server applies the adapter to the base that reload and transfer last put
             # there (``model``, nudged since), not to the one ``adapted`` was made from
             gaps["lora"] = largest_gap(server.url, on_base(adapted, model),
-                                       f"policy-v{version}")
+                                       served=f"policy-v{version}")
             gaps["transfer"] = largest_gap(server.url, model)
             nudge(model, 9999)
             model.save_pretrained(weights, safe_serialization=True)

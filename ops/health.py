@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rollq.schemas.keys import HEALTH_INTERVAL_S, HEALTH_KEY, WAITING_KEY, run_key
+from rollq.schemas.tasks import beside
 
 _FIELD = re.compile(rb"\b(j_complete|j_failed|j_retried|j_ongoing|queued)=(\d+)")
 FIELDS = {"j_complete": "complete", "j_failed": "failed", "j_retried": "retried",
@@ -97,13 +98,10 @@ async def waiting_for_inference(redis: Any, run: str) -> AsyncIterator[None]:
                 await asyncio.shield(redis.set(key, b"inference", ex=HEALTH_INTERVAL_S + 1))
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    task = asyncio.create_task(refresh(), name="rollq-workers-waiting")
     try:
-        yield
+        async with beside(refresh(), name="rollq-workers-waiting"):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         with contextlib.suppress(Exception):
             await redis.delete(key)
 

@@ -50,6 +50,7 @@ from rollq.schemas.keys import (
     sum_counters,
 )
 from rollq.schemas.runs import known_runs, run_started, unknown_run_message
+from rollq.schemas.tasks import beside
 
 log = structlog.get_logger("rollq.watchdog")
 ZERO_VARIANCE = DROP_PREFIX + "zero_variance"
@@ -232,10 +233,5 @@ async def warn_if_unknown(redis: aioredis.Redis, run: str, role: str) -> bool:
 @contextlib.asynccontextmanager
 async def watching(watchdog: RunWatchdog) -> AsyncIterator[RunWatchdog]:
     """Run ``watchdog`` beside the block; a bug in it is raised when the block ends."""
-    task = asyncio.create_task(watchdog.watch(), name=f"rollq-watchdog-{watchdog.role}")
-    try:
+    async with beside(watchdog.watch(), name=f"rollq-watchdog-{watchdog.role}"):
         yield watchdog
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

@@ -36,6 +36,7 @@ from rollq.schemas.keys import (
     stream_keys,
 )
 from rollq.schemas.outage import OutageRider
+from rollq.schemas.tasks import beside
 
 log = structlog.get_logger("rollq.trainer")
 
@@ -55,13 +56,10 @@ class WaitReporter:
     async def waiting(self, wanted: int | None, held: Callable[[], int]) -> AsyncIterator[None]:
         """Report while the block runs longer than ``every_s``; ``wanted``: the batch's group
         count (None: sized by sequences or tokens), ``held``: groups queued for it now."""
-        task = asyncio.create_task(self._report(wanted, held), name="rollq-trainer-waiting")
         try:
-            yield
+            async with beside(self._report(wanted, held), name="rollq-trainer-waiting"):
+                yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
             if self._marked:
                 await self._recorded(None)
 

@@ -48,6 +48,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from rollq.schemas import RollqError, TransientError
 from rollq.schemas.failures import ENV_REWARD_MISSING, ENV_UNAVAILABLE
+from rollq.schemas.tasks import beside
 
 CLOSE_WAIT_S = 2.0
 """How long a closing session waits for the server to end it (then it closes itself)."""
@@ -161,13 +162,8 @@ class EnvSession:
         if self._keepalive_s is None:
             yield
             return
-        task = asyncio.create_task(self._keep_alive(self._keepalive_s))
-        try:
+        async with beside(self._keep_alive(self._keepalive_s)):
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     async def close(self) -> None:
         """End the session: a ``close`` message, then the server closes the WebSocket once

@@ -47,28 +47,10 @@ def perturbed(model_dir: Path, seed: int) -> Any:
     return model.eval()
 
 
-def server_logprobs(url: str, prompt: str) -> list[float]:
-    response = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": "rollq-tiny", "prompt": prompt, "max_tokens": 1, "echo": True,
-        "logprobs": 0, "temperature": 0})
-    response.raise_for_status()
-    # echo: the prompt's tokens (the first has none), then the one generated
-    return [float(v) for v in response.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1]]
-
-
-def model_logprobs(url: str, model: Any, prompt: str) -> list[float]:
-    tokens = httpx.post(f"{url}/tokenize", timeout=30,
-                        json={"model": "rollq-tiny", "prompt": prompt}).json()["tokens"]
-    ids = torch.tensor([tokens])
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-    chosen = torch.log_softmax(logits, -1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
-    return [float(v) for v in chosen]
-
-
 def largest_gap(url: str, model: Any) -> float:
-    return max(abs(a - b) for prompt in PROMPTS for a, b in
-               zip(server_logprobs(url, prompt), model_logprobs(url, model, prompt), strict=True))
+    from bench.weight_sync import largest_gap as gap  # imports torch: after the skip
+
+    return gap(url, model, PROMPTS, name="rollq-tiny")
 
 
 def is_paused(url: str) -> bool:
