@@ -5,8 +5,8 @@ it waits. Real redis-server, the real roles (``ops.roles``) and the real trainer
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from rollq.schemas.keys import (
     counters_key,
     state_key,
 )
+from rollq.schemas.tasks import beside
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
@@ -37,15 +38,9 @@ SAME_LENGTH_REWARD = ("components:\n  - name: length\n    component: length_boun
 STALL_S = 1.0
 
 
-@contextlib.asynccontextmanager
-async def role(start: Coroutine[Any, Any, Any]) -> AsyncIterator[asyncio.Task[Any]]:
-    task = asyncio.create_task(start)
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+def role(start: Coroutine[Any, Any, Any]) -> AbstractAsyncContextManager[asyncio.Task[Any]]:
+    """A role run in this process beside the test's block, cancelled when it ends."""
+    return beside(start)
 
 
 def warnings_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
