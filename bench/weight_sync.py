@@ -65,8 +65,9 @@ from rollq.ops.local.tiny_model import write_tiny_model
 PROMPT = "the quick brown fox 1 2 3"
 
 
-def served_logprobs(url: str, prompt: str, served: str) -> list[float]:
-    """The server's logprob of each prompt token after the first (greedy, ``echo``)."""
+def served_logprobs(url: str, prompt: str | list[int], served: str) -> list[float]:
+    """The server's logprob of each prompt token after the first (greedy, ``echo``); the
+    prompt as text or as token ids."""
     response = httpx.post(f"{url}/v1/completions", timeout=300, json={
         "model": served, "prompt": prompt, "max_tokens": 1, "echo": True,
         "logprobs": 0, "temperature": 0})
@@ -79,6 +80,11 @@ def forward_logprobs(url: str, model: Any, prompt: str, name: str) -> list[float
     """The same logprobs from a torch forward of ``model`` over the server's tokens."""
     tokens = httpx.post(f"{url}/tokenize", timeout=60,
                         json={"model": name, "prompt": prompt}).json()["tokens"]
+    return own_logprobs(model, tokens)
+
+
+def own_logprobs(model: Any, tokens: list[int]) -> list[float]:
+    """``model``'s logprob of each token after the first (a torch forward)."""
     ids = torch.tensor([tokens])
     with torch.no_grad():
         logits = model(ids).logits.float()

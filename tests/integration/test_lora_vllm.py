@@ -50,11 +50,9 @@ def adapter_of(model: Any) -> LoraAdapter:
 
 
 def served_logprobs(url: str, model: str, ids: list[int]) -> list[float]:
-    response = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": model, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0,
-        "temperature": 0})
-    response.raise_for_status()
-    return [float(v) for v in response.json()["choices"][0]["logprobs"]["token_logprobs"][1:-1]]
+    from bench.weight_sync import served_logprobs as served  # imports torch: after the skip
+
+    return served(url, ids, model)
 
 
 def tokens(url: str, prompt: str) -> list[int]:
@@ -63,11 +61,9 @@ def tokens(url: str, prompt: str) -> list[int]:
 
 
 def own_logprobs(model: Any, ids: list[int]) -> list[float]:
-    tensor = torch.tensor([ids])
-    with torch.no_grad():
-        logits = model(input_ids=tensor).logits.float()
-    return [float(v) for v in torch.log_softmax(logits, -1)[0, :-1].gather(
-        -1, tensor[0, 1:, None])[:, 0]]
+    from bench.weight_sync import own_logprobs as forward
+
+    return forward(model, ids)
 
 
 def served_adapters(url: str) -> set[str]:
