@@ -25,12 +25,9 @@ from rollq.schemas.keys import state_key
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
-from tests.test_watchdog import role
+from tests.test_watchdog import SAME_LENGTH_REWARD, role
 from tests.trainer.helpers import FakeVllm
 from tests.waiting import until
-
-SAME_LENGTH_REWARD = ("components:\n  - name: length\n    component: length_bounty\n"
-                      "advantages: {zero_variance: drop}\n")
 
 
 def errors_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
