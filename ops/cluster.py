@@ -13,7 +13,9 @@ needs of it and redis-py 5 lacks.
   wait_replicas wait_timeout_ms``; fewer replicas than asked is ``NotReplicated``, a
   ``ConnectionError``: the roles retry the write (every rollq write is idempotent or
   deduplicated downstream) until a replica acknowledges it or they give up. A failover then
-  cannot lose an acknowledged write, since the replica that is promoted holds it.
+  cannot lose an acknowledged write, since the replica that is promoted holds it. A write
+  sent on a stale slot map to a master that a failover made a replica is redirected (MOVED)
+  and that node's refusal of WAIT is not an error of its own.
 - **Errors of a failover** (CLUSTERDOWN, TRYAGAIN, an uncovered slot, a topology that cannot
   be read, redirections that do not settle) become ``redis.exceptions.ConnectionError``, so
   every role rides them out like any other Redis outage (``schemas.outage``); a cross-slot
@@ -208,13 +210,7 @@ class ClusterClient(RedisCluster):
                     except redis_errors.ResponseError as exc:
                         command.result = exc
             if wait:
-                replicas = int(await connection.read_response())
-                if replicas < self.wait_replicas:
-                    error = NotReplicated(
-                        f"write not acknowledged by {self.wait_replicas} replica(s) of "
-                        f"{node.name} within {self.wait_timeout_ms} ms (got {replicas})")
-                    for command in commands:
-                        command.result = error
+                await self._read_wait(node, connection, commands)
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
             await connection.disconnect(nowait=True)  # replies may be left unread on it
             await self.aclose()  # re-read the topology before the next command
@@ -224,6 +220,28 @@ class ClusterClient(RedisCluster):
             raise
         finally:
             node._free.append(connection)  # ClusterNode's own pool
+
+    async def _read_wait(self, node: ClusterNode, connection: Any,
+                         commands: list[PipelineCommand]) -> None:
+        """Read WAIT's reply: fewer replicas than asked makes each command's result
+        ``NotReplicated``. A node that a failover made a replica refuses WAIT itself: its
+        writes were redirected (MOVED, sent again to the new master by ``run_commands``),
+        and one that was done before it became a replica may be lost, so it is
+        ``NotReplicated`` too (the retry finds the new master through MOVED)."""
+        try:
+            replicas = int(await connection.read_response())
+            why = f"within {self.wait_timeout_ms} ms (got {replicas})"
+        except redis_errors.NoPermissionError:
+            raise  # the ACL refuses the user WAIT: a configuration error (refusals_named)
+        except redis_errors.ResponseError as exc:
+            replicas, why = -1, f"(it refused WAIT: {exc}; a failover made it a replica)"
+        if replicas >= self.wait_replicas:
+            return
+        error = NotReplicated(
+            f"write not acknowledged by {self.wait_replicas} replica(s) of {node.name} {why}")
+        for command in commands:
+            if not isinstance(command.result, _REDIRECTS):
+                command.result = error
 
     @staticmethod
     async def _read_transaction(node: ClusterNode, connection: Any,

@@ -30,8 +30,8 @@ raises anything but ``Retry``, when it exceeds arq's own timeout, when its try c
 exceeds arq's ``max_tries``, or when its job key expired before any worker took it):
 
 - the job body catches every exception and ends in ``Retry`` or in a dead letter written
-  before it returns normally; if the dead letter itself cannot be written (Redis away), it
-  raises ``Retry`` so that a later try writes it;
+  before it returns normally; if the dead letter itself cannot be written (Redis away or
+  refusing the write), it raises ``Retry`` so that a later try writes it;
 - it enforces the job timeout itself, ``TIMEOUT_MARGIN_S`` before arq's, and closes the
   try's gateway episodes as the timeout expires (or the try is cancelled or fails), even
   while an agent that ignores the cancellation still runs (``producers.envs.episode``);
@@ -59,6 +59,7 @@ from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 import structlog
 from arq import Retry
 from arq.connections import ArqRedis, RedisSettings, create_pool
@@ -204,10 +205,11 @@ async def _rollout(ctx: dict[str, Any], position: int, env: str | None = None,
             await _give_up(runner, group_id, verdict)
         except ConfigError as exc:  # the dead letter refused: the role's error, not the job's
             raise await _refused(ctx, exc) from exc
-        except BrokerUnavailable as exc:  # arq must not record the job as failed: retry
+        except Exception as exc:  # Redis away or refusing the write (BrokerUnavailable, a
+            # ResponseError): arq must not record the job as failed; a later try writes it
             defer = backoff_s(try_number, base_s=retry_base_s)
             log.warning("rollout_dead_letter_deferred", reason=verdict.reason,
-                        error=str(exc), defer_s=defer)
+                        error=f"{type(exc).__name__}: {exc}", defer_s=defer)
             raise Retry(defer=defer) from exc
         ctx[OUTCOMES][DEAD_LETTERED] += 1
         return "dead_lettered"
@@ -276,8 +278,8 @@ async def _streak(update: Awaitable[object]) -> None:
     (a streak missed by one job trips the breaker one job later)."""
     try:
         await update
-    except BrokerUnavailable as exc:
-        log.warning("failure_streak_not_updated", error=str(exc))
+    except (BrokerUnavailable, redis_errors.RedisError) as exc:
+        log.warning("failure_streak_not_updated", error=f"{type(exc).__name__}: {exc}")
 
 
 async def requeue_rollout(queue: ArqRedis, run: str, env: str, position: int) -> bool:

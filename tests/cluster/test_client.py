@@ -4,11 +4,13 @@ forward across partitions, WAIT durability; and the control-plane settings."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
 import pytest
 import redis.exceptions as redis_errors
+from redis.asyncio.cluster import ClusterNode
 from redis.cluster import key_slot
 
 from rollq.consumers.bus import ReaderSettings, StreamReader, is_cluster, trim_streams
@@ -116,6 +118,50 @@ async def test_wait_replicas_waits_for_a_replica(redis_cluster: LocalCluster) ->
         client.wait_replicas, client.wait_timeout_ms = 2, 50
         with pytest.raises(redis_errors.ConnectionError, match="not acknowledged"):
             await client.xadd(key, {"v": "3"})
+    finally:
+        await client.aclose()
+
+
+async def _slot_nodes(client: ClusterClient, key: str) -> list[ClusterNode]:
+    """The client's map of ``key``'s slot (its master, then its replica), read again until
+    it names the replica: a new cluster's nodes learn of their replicas by gossip."""
+    deadline = time.monotonic() + 30
+    while True:
+        await client.aclose()
+        await client.initialize()
+        nodes: list[ClusterNode] = client.nodes_manager.slots_cache[key_slot(key.encode())]
+        if len(nodes) == 2 or time.monotonic() > deadline:
+            assert len(nodes) == 2, nodes
+            return nodes
+        await asyncio.sleep(0.1)
+
+
+async def test_a_write_sent_to_a_master_a_failover_made_a_replica_is_redirected(
+        redis_cluster: LocalCluster) -> None:
+    """A client whose slot map predates a failover sends writes and WAIT to the old master,
+    now a replica: the writes come back MOVED and go to the new master; the replica's
+    refusal of WAIT ("WAIT cannot be used with replica instances") is no error of its own.
+    The failover is made stale on the client's side (its map names the replica first),
+    the same bytes on the wire as a real one."""
+    client = _client(redis_cluster, wait_replicas=1)
+    run = f"stale-{uuid.uuid4().hex[:6]}"
+    try:
+        key = stream_keys(run, 1, "traj")[0]
+        await client.xadd(key, {"v": "1"})
+        for write in ("single", "transaction"):
+            nodes = await _slot_nodes(client, key)
+            assert nodes[1].port not in redis_cluster.primaries()
+            nodes.reverse()  # the map names the replica as the slot's master
+            if write == "single":
+                await client.xadd(key, {"v": "2"})
+            else:
+                pipe = client.pipeline(transaction=True)
+                pipe.xadd(key, {"v": "3"})
+                pipe.hincrby(counters_key(run, 0), "scored", 1)
+                await pipe.execute()
+            master = client.get_node_from_key(key)
+            assert master.port in redis_cluster.primaries()  # the map was read again
+        assert [f[b"v"] for _, f in await client.xrange(key)] == [b"1", b"2", b"3"]
     finally:
         await client.aclose()
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
 from structlog.testing import capture_logs
 
 from rollq.producers.admission import outstanding
@@ -241,13 +242,17 @@ async def test_a_try_after_a_killed_last_try_is_dead_lettered(
     assert await slot_freed(real_redis)
 
 
+@pytest.mark.parametrize("refusal", [
+    BrokerUnavailable("redis unavailable while recording a failure"),
+    redis_errors.ResponseError("WAIT cannot be used with replica instances"),
+], ids=["unavailable", "refused"])
 async def test_a_dead_letter_that_cannot_be_written_is_retried_not_lost(
         real_redis: aioredis.Redis, redis_server: RedisServer,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Redis refusing the dead letter must not let arq record the job as failed (which
-    would keep its slot forever): the job is retried, and the next try writes it."""
+        monkeypatch: pytest.MonkeyPatch, refusal: Exception) -> None:
+    """Redis away or refusing the dead letter must not let arq record the job as failed
+    (which would keep its slot forever): the job is retried, and the next try writes it."""
     write = Publisher.publish_failure
-    refusals = [BrokerUnavailable("redis unavailable while recording a failure")]
+    refusals = [refusal]
 
     async def flaky_write(self: Publisher, *args: Any, **kwargs: Any) -> str:
         if refusals:
