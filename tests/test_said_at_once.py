@@ -25,17 +25,9 @@ from rollq.schemas.keys import state_key
 from tests.factories import make_group
 from tests.producers.fake_vllm import FakeVLLM, fake_transport
 from tests.redis_server import RedisServer
-from tests.test_watchdog import SAME_LENGTH_REWARD, role
+from tests.test_watchdog import SAME_LENGTH_REWARD, logged, role
 from tests.trainer.helpers import FakeVllm
 from tests.waiting import until
-
-
-def errors_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-    return [e for e in logs if e["event"] == event and e["log_level"] == "error"]
-
-
-def warnings_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-    return [e for e in logs if e["event"] == event and e["log_level"] == "warning"]
 
 
 async def _publish_flat(publisher: Publisher, run: str, count: int, start: int = 0) -> None:
@@ -67,7 +59,7 @@ async def test_sixteen_zero_variance_groups_stop_admission_within_one_scoring_ba
     assert stage.dropped == 16
     tripped = await breaker.read(real_redis, "flat")
     assert tripped is not None and (tripped.reason, tripped.streak) == ("zero_variance", 16)
-    [error] = errors_of(logs, "admission_stopped")
+    [error] = logged(logs, "admission_stopped", "error")
     assert error["role"] == "scorer"
     assert ("the last 16 groups scored in run 'flat' were all dropped as zero-variance: every "
             "completion of a group got the same reward" in error["message"])
@@ -77,7 +69,7 @@ async def test_sixteen_zero_variance_groups_stop_admission_within_one_scoring_ba
     feeder = _feeder(real_redis, "flat", enqueued)
     with capture_logs() as logs:
         assert await feeder.feed_once() == 0 and not enqueued  # admission stopped
-    [error] = errors_of(logs, "admission_stopped")
+    [error] = logged(logs, "admission_stopped", "error")
     assert "dropped as zero-variance" in error["message"]
 
     assert await asyncio.to_thread(main, ["runs", "resume", "flat", "--redis-url",
@@ -121,11 +113,11 @@ async def test_a_run_typo_is_said_at_start_up_by_workers_scorer_and_trainer(
         started = time.monotonic()
         async with role(run_workers(workers, transport=fake_transport(fake))), \
                 role(run_scorer(scorer, asyncio.Event())):
-            await until(lambda: len(warnings_of(logs, "run_not_found_at_start")) == 2,
+            await until(lambda: len(logged(logs, "run_not_found_at_start")) == 2,
                         "the unknown-run warnings of workers and scorer", timeout_s=5)
             assert time.monotonic() - started < 5
             await asyncio.sleep(0.5)  # no second line
-    warnings = {w["role"]: w for w in warnings_of(logs, "run_not_found_at_start")}
+    warnings = {w["role"]: w for w in logged(logs, "run_not_found_at_start")}
     assert set(warnings) == {"workers", "scorer"}
     for name, noun in (("workers", "worker pool"), ("scorer", "scorer")):
         assert warnings[name]["known_runs"] == ["gsm8k-grpo"]
@@ -144,7 +136,7 @@ async def test_a_trainer_on_a_run_typo_warns_at_once_and_publishes_nothing(
     with capture_logs() as logs:
         async with TrainerClient(real_redis, run="gsm8k-gpro", consumer="t", settings=settings,
                                  transport=fake.transport()) as trainer:
-            [warning] = warnings_of(logs, "run_not_found_at_start")
+            [warning] = logged(logs, "run_not_found_at_start")
             assert await trainer.publish_policy(0, "/ckpt/step-0") == 0
             assert await trainer.publish_policy(1, "/ckpt/step-1") == 0
             assert not fake.calls  # the servers (maybe another run's) were left alone
@@ -154,7 +146,7 @@ async def test_a_trainer_on_a_run_typo_warns_at_once_and_publishes_nothing(
     assert warning["role"] == "trainer" and warning["known_runs"] == ["gsm8k-grpo"]
     assert "run 'gsm8k-gpro' did not exist when this trainer started" in warning["message"]
     assert "sends no weights to its inference servers" in warning["message"]
-    skipped = warnings_of(logs, "policy_not_published")
+    skipped = logged(logs, "policy_not_published")
     assert [w["step"] for w in skipped] == [0, 1]
     assert "pass new_run=True (--new-run)" in skipped[0]["message"]
     assert fake.calls["gpu0"] and fake.bodies[("gpu0", "/collective_rpc")] == {
@@ -169,7 +161,7 @@ async def test_a_trainer_told_it_starts_a_new_run_publishes_at_once(
         async with TrainerClient(real_redis, run="fresh", consumer="t", settings=settings,
                                  transport=fake.transport()) as trainer:
             assert await trainer.publish_policy(0, "/ckpt/step-0") == 0
-    assert fake.calls["gpu0"] and not warnings_of(logs, "run_not_found_at_start")
+    assert fake.calls["gpu0"] and not logged(logs, "run_not_found_at_start")
 
 
 async def test_a_trainer_batch_larger_than_the_feeders_is_named_at_start_up_and_while_waiting(
@@ -187,12 +179,12 @@ async def test_a_trainer_batch_larger_than_the_feeders_is_named_at_start_up_and_
             started = time.monotonic()
             async with TrainerClient(real_redis, run="mismatch", consumer="t",
                                      settings=settings) as trainer:
-                assert warnings_of(logs, "batch_groups_exceed_admission")  # at start-up
+                assert logged(logs, "batch_groups_exceed_admission")  # at start-up
                 assert time.monotonic() - started < 5
                 async with role(trainer.next_batch()):
-                    await until(lambda: len(warnings_of(
+                    await until(lambda: len(logged(
                         logs, "batch_groups_exceed_admission")) >= 2, "the warning again")
-    first = warnings_of(logs, "batch_groups_exceed_admission")[0]
+    first = logged(logs, "batch_groups_exceed_admission")[0]
     assert (first["trainer_batch_groups"], first["feed_batch_groups"],
             first["stalls_at_step"]) == (16, 4, 1)
     assert ("this trainer takes 16 groups a step but the run's feeder admits 4 a step"
@@ -322,7 +314,7 @@ async def test_status_tells_workers_waiting_for_inference_from_dead_ones_and_sco
                               inference=["http://127.0.0.1:9"])  # vLLM not up yet
     with capture_logs() as logs:
         async with role(run_workers(settings)):
-            await until(lambda: warnings_of(logs, "inference_unreachable"), "the wait")
+            await until(lambda: logged(logs, "inference_unreachable"), "the wait")
             text = render_status(await collect_status(real_redis, "early"))
             assert ("workers: 0 alive, 1 waiting for their inference servers (no job taken "
                     "yet: start vLLM, or check --inference)" in text), text

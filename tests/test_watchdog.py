@@ -43,8 +43,10 @@ def role(start: Coroutine[Any, Any, Any]) -> AbstractAsyncContextManager[asyncio
     return beside(start)
 
 
-def warnings_of(logs: list[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-    return [e for e in logs if e["event"] == event and e["log_level"] == "warning"]
+def logged(logs: list[dict[str, Any]], event: str,
+           level: str = "warning") -> list[dict[str, Any]]:
+    """The entries of ``event`` logged at ``level``."""
+    return [e for e in logs if e["event"] == event and e["log_level"] == level]
 
 
 async def test_all_groups_dropped_as_zero_variance_is_one_warning_with_the_share(
@@ -66,14 +68,14 @@ async def test_all_groups_dropped_as_zero_variance_is_one_warning_with_the_share
             await asyncio.sleep(0.5)
             for seed in range(5):
                 await publisher.publish(make_group(run="flat", seed=seed))
-            await until(lambda: warnings_of(logs, "groups_all_zero_variance"),
+            await until(lambda: logged(logs, "groups_all_zero_variance"),
                         "the zero-variance warning", timeout_s=60)
             await asyncio.sleep(3 * stall_s)  # once: no second line while nothing changes
-    [warning] = warnings_of(logs, "groups_all_zero_variance")
+    [warning] = logged(logs, "groups_all_zero_variance")
     assert warning["dropped"] == 5 and warning["run_share"] == 1.0, warning
     assert "all 5 groups scored in the last" in warning["message"]
     assert "zero-variance (100% of the run's groups)" in warning["message"]
-    assert not warnings_of(logs, "run_stalled")
+    assert not logged(logs, "run_stalled")
 
 
 async def test_a_scorer_on_a_run_that_did_not_exist_names_the_known_runs(
@@ -83,9 +85,9 @@ async def test_a_scorer_on_a_run_that_did_not_exist_names_the_known_runs(
                               stall_warning_s=STALL_S, block_ms=100)
     with capture_logs() as logs:
         async with role(run_scorer(settings, asyncio.Event())):
-            await until(lambda: warnings_of(logs, "run_not_found_at_start"),
+            await until(lambda: logged(logs, "run_not_found_at_start"),
                         "the unknown-run warning", timeout_s=60)
-    [warning] = warnings_of(logs, "run_not_found_at_start")
+    [warning] = logged(logs, "run_not_found_at_start")
     assert warning["known_runs"] == ["gsm8k-grpo"]
     assert ("run 'gsm8k-gpro' did not exist when this scorer started" in warning["message"]
             and "known runs: gsm8k-grpo: a typo in --run?" in warning["message"])
@@ -100,9 +102,9 @@ async def test_workers_on_a_run_that_did_not_exist_name_the_known_runs(
                               stall_warning_s=STALL_S)
     with capture_logs() as logs:
         async with role(run_workers(settings, transport=fake_transport(fake))):
-            await until(lambda: warnings_of(logs, "run_not_found_at_start"),
+            await until(lambda: logged(logs, "run_not_found_at_start"),
                         "the unknown-run warning", timeout_s=60)
-    [warning] = warnings_of(logs, "run_not_found_at_start")
+    [warning] = logged(logs, "run_not_found_at_start")
     assert warning["role"] == "workers" and warning["known_runs"] == ["gsm8k-grpo"]
 
 
@@ -124,10 +126,10 @@ async def test_feed_batch_groups_below_the_trainers_is_named_as_a_deadlock(
             async with TrainerClient(real_redis, run="mismatch", consumer="t",
                                      settings=trainer_settings) as trainer:
                 async with role(trainer.next_batch()):
-                    await until(lambda: warnings_of(logs, "admission_budget_exhausted"),
+                    await until(lambda: logged(logs, "admission_budget_exhausted"),
                                 "the budget warning", timeout_s=60)
             assert await real_redis.hget(state_key("mismatch"), TRAINER_WAITING_FIELD) is None
-    [warning] = warnings_of(logs, "admission_budget_exhausted")
+    [warning] = logged(logs, "admission_budget_exhausted")
     assert (warning["budget"], warning["consumed"], warning["outstanding"]) == (12, 8, 4)
     assert warning["trainer_waiting_groups"] == 8
     assert ("the trainer waits for 8 groups per step but at most 4 are outstanding: a "
