@@ -173,13 +173,19 @@ class EnvSession:
         await asyncio.shield(self._close())
 
     async def _close(self) -> None:
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(CLOSE_WAIT_S):
-                await self._connection.send(json.dumps({"type": "close"}))
-                await self._connection.wait_closed()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(CLOSE_WAIT_S):
-                await self._connection.close()
+        try:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_WAIT_S):
+                    await self._connection.send(json.dumps({"type": "close"}))
+                    await self._connection.wait_closed()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CLOSE_WAIT_S):
+                    await self._connection.close()
+        finally:
+            # a server that never answers the closing handshake (a blocked loop) leaves
+            # ``close()`` timed out with the TCP connection open: dropped, its socket would
+            # be left to the garbage collector (a ResourceWarning); a no-op once closed
+            self._connection.transport.abort()
 
     async def _keep_alive(self, every_s: float) -> None:
         while True:

@@ -11,6 +11,8 @@ session timeout). Each test starts from no open session.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import random
 import re
 import sys
@@ -24,9 +26,10 @@ import pytest
 import redis.asyncio as aioredis
 from structlog.testing import capture_logs
 
-from rollq.producers.envs import make_env
+from rollq.producers.envs import make_env, openenv_session
 from rollq.producers.envs.base import Rollout
 from rollq.producers.envs.openenv import OpenEnvEnv
+from rollq.producers.envs.openenv_session import EnvSession
 from rollq.producers.inference import InferencePool, SamplingParams
 from rollq.producers.publisher import Publisher
 from rollq.producers.worker import build_worker, close_worker
@@ -248,6 +251,42 @@ async def test_cancelled_episodes_close_their_sessions(plain: EnvServer) -> None
             await job
     assert plain.capacity()["active_sessions"] == 0  # closed before the cancel returned
     assert env.slots.held == 0  # type: ignore[attr-defined]
+
+
+async def test_a_session_whose_server_never_answers_its_close_is_closed_all_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that accepted the WebSocket and then fell silent (its loop blocked) never
+    completes the closing handshake: the session still closes its TCP connection, which
+    the server sees as an end of stream. Left open, the socket would be the garbage
+    collector's, a ResourceWarning in whichever later test it collects in."""
+    monkeypatch.setattr(openenv_session, "CLOSE_WAIT_S", 0.1)
+    peers: list[asyncio.StreamReader] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def accept_then_fall_silent(reader: asyncio.StreamReader,
+                                      writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        found = re.search(rb"sec-websocket-key: *(\S+)", head, re.IGNORECASE)
+        assert found is not None
+        digest = hashlib.sha1(found.group(1) + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11")
+        writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                     b"Connection: Upgrade\r\nSec-WebSocket-Accept: "
+                     + base64.b64encode(digest.digest()) + b"\r\n\r\n")
+        peers.append(reader)
+        writers.append(writer)
+
+    server = await asyncio.start_server(accept_then_fall_silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        session = await EnvSession.open(f"http://127.0.0.1:{port}", keepalive_s=None)
+        await session.close()
+        [peer] = peers
+        await asyncio.wait_for(peer.read(), timeout=10)  # to the end of the stream
+    finally:
+        for writer in writers:
+            writer.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_reply_that_is_no_action_ends_the_episode_with_its_reward(
