@@ -4,6 +4,8 @@ malformed requests), and ``LocalGateway`` holding it only while episodes are ope
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import httpx
 import openai
@@ -67,3 +69,25 @@ async def test_the_local_gateway_listens_only_while_episodes_are_open() -> None:
             pass
         finally:
             await idle.aclose()
+
+
+async def test_a_connection_accepted_as_the_listener_stops_is_closed_with_it() -> None:
+    """An agent's connection the listener accepted just before it stopped: asyncio makes
+    its transport a loop turn after the accept and starts its handler two turns later,
+    and a server closed in between left its socket open (Python 3.11's ``Server._attach``
+    refuses a closed server's transport half-made): a file descriptor held past the event
+    loop, then a ResourceWarning in whichever later test collected it (the warning two CI
+    runs failed on, most likely from here). Stopping closes it, at every turn of that
+    window."""
+    for turns in range(9):
+        listener = LoopbackListener(CaptureHub(Upstream(None)))  # type: ignore[arg-type]
+        await listener.start()
+        agent = socket.create_connection((listener.host, listener.port), timeout=10)
+        try:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await listener.aclose()
+            with contextlib.suppress(ConnectionResetError):
+                assert await asyncio.to_thread(agent.recv, 1) == b"", turns  # closed
+        finally:
+            agent.close()

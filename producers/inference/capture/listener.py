@@ -27,6 +27,11 @@ from rollq.producers.inference.capture.hub import CaptureHub, GatewayReply
 log = structlog.get_logger("rollq.capture")
 
 _READ_BYTES = 65536
+_ACCEPT_TURNS = 2
+"""Loop turns from a connection's accept to its protocol (``_accepted``), at most (1 in
+CPython 3.11's selector loop); ``aclose`` waits them out, then for the handlers."""
+_HANDLER_TURNS = 20
+"""Loop turns ``aclose`` waits at most for accepted connections' handlers to start."""
 
 
 class LoopbackListener:
@@ -38,6 +43,7 @@ class LoopbackListener:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._starting = 0  # connections accepted whose handler has not run yet
 
     @property
     def url(self) -> str:
@@ -50,7 +56,8 @@ class LoopbackListener:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, 0))
-            self._server = await asyncio.start_server(self._serve, sock=sock)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_server(self._accepted, sock=sock)
         except BaseException:
             sock.close()
             raise
@@ -61,6 +68,15 @@ class LoopbackListener:
         """Stop listening and end every open connection (an agent's idle keep-alive ones
         included: the listener's lifetime is the episodes', not the agent's clients')."""
         if self._server is not None:
+            # Accept nothing more, then let the connections already accepted reach their
+            # handlers (closed below with the rest): asyncio makes a connection's transport
+            # a loop turn after its accept, and a server closed in that turn leaves the
+            # socket open to the garbage collector (Python 3.11: ``Server._attach`` fails)
+            asyncio.get_running_loop().remove_reader(self._server.sockets[0].fileno())
+            for turn in range(_HANDLER_TURNS):
+                if turn >= _ACCEPT_TURNS and not self._starting:
+                    break
+                await asyncio.sleep(0)
             self._server.close()
             await self._server.wait_closed()
             self._server = None
@@ -68,7 +84,15 @@ class LoopbackListener:
             writer.close()  # its handler reads the end of the stream and returns
         await asyncio.gather(*self._connections, return_exceptions=True)
 
+    def _accepted(self) -> asyncio.StreamReaderProtocol:
+        """``asyncio.start_server``'s protocol for an accepted connection, counted until
+        its handler starts (``aclose`` waits for it)."""
+        self._starting += 1
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=_READ_BYTES),
+                                            self._serve)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._starting -= 1
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
