@@ -214,11 +214,15 @@ class TcpTrainerEngine:
                      source: Iterable[tuple[str, Any]] | None = None) -> TcpTrainerEngine:
         engine = cls(client=client, source=source, init_info=init_info)
         if engine.is_sender:
-            listener = socket.create_server((init_info.host, init_info.port), backlog=64)
-            engine._listener = listener
-            if hasattr(client, "discard_update"):
-                client.discard_update = DISCARD
-            client.init_weight_transfer_engine({"timeout_s": init_info.timeout_s})
+            engine._listener = socket.create_server((init_info.host, init_info.port),
+                                                    backlog=64)
+            try:
+                if hasattr(client, "discard_update"):
+                    client.discard_update = DISCARD
+                client.init_weight_transfer_engine({"timeout_s": init_info.timeout_s})
+            except BaseException:
+                engine.shutdown()  # a server that refused: no listening socket left behind
+                raise
         return engine
 
     @property

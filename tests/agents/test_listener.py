@@ -9,6 +9,7 @@ import socket
 
 import httpx
 import openai
+import pytest
 
 from rollq.producers.inference.capture import CaptureHub, LocalGateway, Upstream
 from rollq.producers.inference.capture.listener import LoopbackListener
@@ -91,3 +92,18 @@ async def test_a_connection_accepted_as_the_listener_stops_is_closed_with_it() -
                 assert await asyncio.to_thread(agent.recv, 1) == b"", turns  # closed
         finally:
             agent.close()
+
+
+async def test_a_listener_whose_stop_is_cancelled_stops_all_the_same() -> None:
+    """Its stop waits a few loop turns (above); a caller cancelled in them (a job timing
+    out as its last episode closes) still leaves the listener closed, its port free."""
+    listener = LoopbackListener(CaptureHub(Upstream(None)))  # type: ignore[arg-type]
+    await listener.start()
+    closing = asyncio.create_task(listener.aclose())
+    await asyncio.sleep(0)
+    closing.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await closing
+    await asyncio.sleep(0.1)  # the shielded close runs on
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((listener.host, listener.port), timeout=10).close()

@@ -5,11 +5,20 @@ real CPU vLLM servers in tests/integration/test_weight_sync_vllm.py."""
 from __future__ import annotations
 
 import json
+import socket
+from typing import Any
 
 import httpx
 import pytest
 
-from rollq.consumers.trainer.transfer import DISCARD, ServerFanout, ServersFailed, chunks
+from rollq.consumers.trainer.transfer import (
+    DISCARD,
+    ServerFanout,
+    ServersFailed,
+    TcpTrainerEngine,
+    TcpTrainerInitInfo,
+    chunks,
+)
 
 torch = pytest.importorskip("torch", reason="needs the train extra")
 
@@ -47,6 +56,26 @@ def test_each_failed_server_is_named_with_a_hint_for_a_missing_transfer_config()
         client.init_weight_transfer_engine({"timeout_s": 5})
     assert list(raised.value.failures) == ["http://b:1"]
     assert "--weight-transfer-config" in raised.value.failures["http://b:1"]
+
+
+def test_a_refused_init_leaves_no_listening_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollq_tcp's trainer listens before it asks the servers to start: a refusal closes
+    the listener (left open, it would be the garbage collector's, a ResourceWarning in
+    whichever later test collected it)."""
+    listeners: list[socket.socket] = []
+    create_server = socket.create_server
+
+    def recorded(*args: Any, **kwargs: Any) -> socket.socket:
+        listeners.append(create_server(*args, **kwargs))
+        return listeners[-1]
+
+    monkeypatch.setattr(socket, "create_server", recorded)
+    refusing = fanout(lambda request: httpx.Response(500, json={"error": {"message": "no"}}),
+                      "http://a:1")
+    with pytest.raises(ServersFailed):
+        TcpTrainerEngine.trainer_init(TcpTrainerInitInfo(), client=refusing)
+    [listener] = listeners
+    assert listener.fileno() == -1  # closed
 
 
 def test_nccl_init_gives_each_server_its_own_rank_offset() -> None:

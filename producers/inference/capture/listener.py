@@ -67,19 +67,24 @@ class LoopbackListener:
     async def aclose(self) -> None:
         """Stop listening and end every open connection (an agent's idle keep-alive ones
         included: the listener's lifetime is the episodes', not the agent's clients')."""
-        if self._server is not None:
+        await asyncio.shield(self._close())  # all of it, even when the caller is cancelled
+
+    async def _close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
             # Accept nothing more, then let the connections already accepted reach their
             # handlers (closed below with the rest): asyncio makes a connection's transport
             # a loop turn after its accept, and a server closed in that turn leaves the
             # socket open to the garbage collector (Python 3.11: ``Server._attach`` fails)
-            asyncio.get_running_loop().remove_reader(self._server.sockets[0].fileno())
-            for turn in range(_HANDLER_TURNS):
-                if turn >= _ACCEPT_TURNS and not self._starting:
-                    break
-                await asyncio.sleep(0)
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+            try:
+                asyncio.get_running_loop().remove_reader(server.sockets[0].fileno())
+                for turn in range(_HANDLER_TURNS):
+                    if turn >= _ACCEPT_TURNS and not self._starting:
+                        break
+                    await asyncio.sleep(0)
+            finally:
+                server.close()  # the listening socket: closed whatever happens above
+            await server.wait_closed()
         for writer in list(self._connections.values()):
             writer.close()  # its handler reads the end of the stream and returns
         await asyncio.gather(*self._connections, return_exceptions=True)
