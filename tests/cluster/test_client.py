@@ -4,7 +4,6 @@ forward across partitions, WAIT durability; and the control-plane settings."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -22,6 +21,7 @@ from rollq.producers.publisher import Publisher
 from rollq.schemas import ConfigError
 from rollq.schemas.keys import counters_key, stream_keys
 from tests.factories import make_group
+from tests.waiting import until
 
 PARTITIONS = 6
 
@@ -125,15 +125,15 @@ async def test_wait_replicas_waits_for_a_replica(redis_cluster: LocalCluster) ->
 async def _slot_nodes(client: ClusterClient, key: str) -> list[ClusterNode]:
     """The client's map of ``key``'s slot (its master, then its replica), read again until
     it names the replica: a new cluster's nodes learn of their replicas by gossip."""
-    deadline = time.monotonic() + 30
-    while True:
+    async def read_again() -> list[ClusterNode] | None:
         await client.aclose()
         await client.initialize()
         nodes: list[ClusterNode] = client.nodes_manager.slots_cache[key_slot(key.encode())]
-        if len(nodes) == 2 or time.monotonic() > deadline:
-            assert len(nodes) == 2, nodes
-            return nodes
-        await asyncio.sleep(0.1)
+        return nodes if len(nodes) == 2 else None
+
+    nodes: list[ClusterNode] = await until(read_again, "the slot map to name the replica",
+                                           timeout_s=30, every_s=0.1)
+    return nodes
 
 
 async def test_a_write_sent_to_a_master_a_failover_made_a_replica_is_redirected(
