@@ -123,13 +123,13 @@ def test_a_lora_adapter_learns_through_the_loop(
     slower than full fine-tuning (test_learning.py's bar is 0.15); a longer curve is a
     benchmark, not a test. Every sync took ~0.015 s and aborted nothing.
 
-    Since: seven fresh-clone CI runs gained 0.040, 0.014, 0.046, 0.044, 0.052, 0.041 and
-    0.046 (the 0.014 is the thinnest margin in the suite); 5 runs of 60 steps (quiet, 112 s each) gained 0.028,
-    0.028, 0.028, 0.045, 0.052 by step 30 and no more by step 60: the reward plateaus near
-    0.27 from step ~15, so more steps would not widen the margin. Nor does the learning
-    rate: 2 runs each at 5e-2 (gains 0.047, 0.036) and 1e-1 (0.033, 0.026) reach the same
-    plateau (its clip fraction 0 and ratio ~1.000 from step ~15: the adapter stops
-    moving the policy), so the bar stays where the 2e-2 runs put it."""
+    Since: seven fresh-clone CI runs gained 0.040, 0.014, 0.046, 0.044, 0.052, 0.041 and 0.046
+    (the 0.014 is the thinnest margin in the suite); 5 runs of 60 steps (quiet, 112 s each)
+    gained 0.028, 0.028, 0.028, 0.045, 0.052 by step 30 and no more by step 60: the reward
+    plateaus near 0.27 from step ~15, so more steps would not widen the margin. Nor does the
+    learning rate: 2 runs each at 5e-2 (gains 0.047, 0.036) and 1e-1 (0.033, 0.026) reach the
+    same plateau (its clip fraction 0 and ratio ~1.000 from step ~15: the adapter stops moving
+    the policy), so the bar stays where the 2e-2 runs put it."""
     from rollq.ops.local.demo import DemoOptions, run_demo
 
     learned = run_demo(DemoOptions(out=tmp_path / "lora", run="lora-learn",
