@@ -55,10 +55,10 @@ async def serve_http(app: Any, host: str, port: int, *, metrics_port: int | None
         structlog.get_logger("rollq").warning(
             "metrics_port_ignored", metrics_port=metrics_port,
             reason=f"this role answers GET /metrics on its own port ({port})")
-    listener = _listen(host, port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_config=None,
                                            access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=int(HTTP_GRACE_S)))
+    listener = _listen(host, port)  # last before the try that closes it
 
     def stop(sig: int, frame: Any) -> None:
         server.should_exit = True
