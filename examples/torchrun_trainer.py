@@ -16,6 +16,10 @@ are imported from it), spread over N ranks:
      each rank's loss is its SUM over trainable tokens divided by the step's global
      trainable tokens / world size, so the averaged gradient is the mean over every
      trainable token of the step, as on one device;
+     ``--is-correction tis|mis|geo`` weights each token as ``examples/grpo_trainer.py``
+     does (``geo`` over each sequence's own tokens in the packed row); a batch whose
+     sampler logprobs cannot support it is refused on rank 0 before it is split: every
+     rank exits 78, the batch stays pending;
   3. optimizer step; ``sync_weights`` publishes the weights from rank 0 (under FSDP the
      full state dict is gathered to rank 0 first); rank 0 acks the batch;
   4. every ``--checkpoint-every`` steps rank 0 writes the checkpoint atomically (full
@@ -41,10 +45,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from grpo_trainer import (
+    add_correction_args,
     component_means,
+    correction_of,
     grpo_loss,
     kl_penalty,
     learning_rate,
@@ -71,7 +78,12 @@ from rollq.consumers.trainer import (
     WeightSyncError,
     init_ranks,
 )
-from rollq.schemas import BrokerUnavailable
+from rollq.consumers.trainer.correction import (
+    check_logprobs,
+    importance_weights,
+    staleness_histogram,
+)
+from rollq.schemas import BrokerUnavailable, ConfigError
 from rollq.schemas.heap import freeze_heap
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -102,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
+    add_correction_args(parser)
     parser.add_argument("--fsdp", action="store_true", help="shard the model (FSDP2)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads per rank [torch's default]")
@@ -144,6 +157,7 @@ def micro_tensors(micro: PackedBatch, device: str, flip: bool) -> dict[str, torc
         "input_ids": micro.input_ids, "position_ids": micro.position_ids,
         "labels": targets.labels, "mask": targets.loss_mask,
         "advantages": targets.advantages, "sampler_logprobs": targets.sampler_logprobs,
+        "sequences": np.repeat(np.arange(len(micro.lengths)), micro.lengths),
     }.items()}
     if flip:
         tensors["advantages"] = -tensors["advantages"]
@@ -227,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrun_trainer: cannot reach Redis at {args.redis_url}: {exc}",
               file=sys.stderr)
         return 69
+    except ConfigError as exc:  # a batch the off-policy correction cannot use (every rank)
+        print(f"torchrun_trainer: {exc}", file=sys.stderr)
+        return 78
 
 
 def train(args: argparse.Namespace) -> int:
@@ -258,9 +275,12 @@ def train(args: argparse.Namespace) -> int:
     client = (SyncTrainerClient(args.redis_url, run=args.run_name, consumer=args.consumer,
                                 settings=settings).open() if rank == 0 else None)
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None
+    correction = correction_of(args)
     steps = DataParallelSteps(client, groups=args.batch_groups,
                               max_tokens=args.micro_batch_tokens,
-                              transport=TorchObjectTransport(objects))
+                              transport=TorchObjectTransport(objects),
+                              check=None if correction.method == "none" else
+                              lambda batch: check_logprobs(batch.sampling, correction.method))
     def autocast() -> Any:  # bf16 on GPU under DDP (FSDP casts by its policy); fp32 on CPU
         if cuda and not args.fsdp:
             return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -283,15 +303,20 @@ def train(args: argparse.Namespace) -> int:
             shard = steps.next_step()
             batch = steps.batch  # rank 0: the whole batch (rewards, groups) for the metrics
             share = shard.trainable_tokens / world_size  # divide each rank's sum by this
-            totals = torch.zeros(5, dtype=torch.float64)  # loss, ratio, clipped, kl, tokens
+            # loss, ratio, clipped, kl, tokens, IS ratio, IS dropped
+            totals = torch.zeros(7, dtype=torch.float64)
             last = len(shard.micro_batches) - 1
             for i, micro in enumerate(shard.micro_batches):
                 t = micro_tensors(micro, args.device, args.flip_advantages)
                 with no_sync(model, sync=i == last), autocast():
                     logprobs = packed_logprobs(model, t["input_ids"], t["position_ids"],
                                                t["labels"])
-                    loss, stats = grpo_loss(logprobs, t["sampler_logprobs"], t["advantages"],
-                                            t["mask"], args.clip, per=share)
+                    weights, weighing = importance_weights(
+                        logprobs, t["sampler_logprobs"], t["mask"], correction,
+                        sequences=t["sequences"])
+                    loss, stats = grpo_loss(
+                        logprobs, t["sampler_logprobs"], t["advantages"], t["mask"], args.clip,
+                        per=share, weights=None if correction.method == "none" else weights)
                     kl = torch.zeros(())
                     if reference is not None:
                         with torch.no_grad():
@@ -302,7 +327,9 @@ def train(args: argparse.Namespace) -> int:
                     loss.backward()
                 local = float(t["mask"].sum())
                 totals += torch.tensor([float(loss.detach()), stats["ratio_mean"] * local,
-                                        stats["clip_fraction"] * local, float(kl.detach()), local],
+                                        stats["clip_fraction"] * local, float(kl.detach()), local,
+                                        weighing["is_ratio_mean"] * local,
+                                        weighing["is_filter_drop_frac"] * local],
                                        dtype=torch.float64)
             clip_gradients(model)
             for group in optimizer.param_groups:
@@ -351,8 +378,9 @@ def write_metrics(metrics: Any, step: int, totals: torch.Tensor, started: float,
                   batch: SyncBatch, args: argparse.Namespace, world_size: int,
                   client: SyncTrainerClient) -> None:
     """One JSON line a step (rank 0), the fields of examples/grpo_trainer.py's."""
-    loss, ratio, clipped, kl, tokens = totals.tolist()
+    loss, ratio, clipped, kl, tokens, is_ratio, is_dropped = totals.tolist()
     loss, kl = loss / world_size, kl / world_size  # each rank's sum was scaled by N
+    data = batch.targets()
     record = {
         "step": step, "loss": loss, "reward_mean": float(batch.rewards.mean()),
         "tokens": int(tokens), "groups": len(batch), "ranks": world_size,
@@ -360,6 +388,9 @@ def write_metrics(metrics: Any, step: int, totals: torch.Tensor, started: float,
         "seconds": time.monotonic() - started, "time": time.time(),
         "group_ids": batch.group_ids, "components": component_means(batch.groups),
         "ratio_mean": ratio / max(tokens, 1.0), "clip_fraction": clipped / max(tokens, 1.0),
+        "is_ratio_mean": is_ratio / max(tokens, 1.0),
+        "is_filter_drop_frac": is_dropped / max(tokens, 1.0),
+        "staleness_histogram": staleness_histogram(data.versions, data.loss_mask, step - 1),
         **sync_record(client),
     }
     if args.kl_coef > 0:

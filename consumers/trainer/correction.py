@@ -111,12 +111,16 @@ def check_logprobs(sampling: Sequence[SamplingRecord | None], method: Correction
 
 
 def importance_weights(logprobs: Any, sampler_logprobs: Any, mask: Any,
-                       correction: IsCorrection) -> tuple[Any, dict[str, float]]:
+                       correction: IsCorrection,
+                       sequences: Any = None) -> tuple[Any, dict[str, float]]:
     """The weight of each token (a tensor shaped like ``logprobs``, no gradient) and the
     step's statistics: ``is_ratio_mean`` (the mean ratio over trainable tokens, before any
     bound) and ``is_filter_drop_frac`` (the fraction of trainable tokens whose weight was
-    cut or zeroed). Rows are sequences (the padded layout, ``[B, T]``), ``mask`` is 1 on
-    trainable tokens; ``logprobs`` are the trainer's (detached here)."""
+    cut or zeroed). ``mask`` is 1 on trainable tokens; ``logprobs`` are the trainer's
+    (detached here). Rows are sequences (the padded layout, ``[B, T]``), or, with
+    ``sequences`` (an integer tensor shaped like ``logprobs``: each token's sequence, 0..B-1),
+    several sequences share a row (the packed layout, ``[N]``): ``geo`` takes each
+    sequence's mean over its own tokens either way."""
     import torch
 
     trainable = mask > 0
@@ -134,10 +138,19 @@ def importance_weights(logprobs: Any, sampler_logprobs: Any, mask: Any,
         dropped = trainable & ~kept
     elif correction.method == "geo":
         low, high = correction.geo_mask
-        per_sequence = trainable.sum(dim=-1).clamp(min=1)
-        geometric = torch.exp((log_ratio.sum(dim=-1) / per_sequence)
-                              .clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-        kept = ((geometric >= low) & (geometric <= high)).unsqueeze(-1).expand_as(ratio)
+        if sequences is None:  # a row a sequence
+            mean_log = log_ratio.sum(dim=-1) / trainable.sum(dim=-1).clamp(min=1)
+        else:
+            count = int(sequences.max()) + 1 if sequences.numel() else 0
+            sums = log_ratio.new_zeros(count).index_add_(0, sequences.flatten(),
+                                                         log_ratio.flatten())
+            tokens_of = log_ratio.new_zeros(count).index_add_(
+                0, sequences.flatten(), trainable.flatten().to(log_ratio.dtype))
+            mean_log = sums / tokens_of.clamp(min=1)
+        geometric = torch.exp(mean_log.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+        in_bounds = (geometric >= low) & (geometric <= high)
+        kept = (in_bounds.unsqueeze(-1).expand_as(ratio) if sequences is None
+                else in_bounds[sequences])
         weights = kept.to(ratio.dtype)
         dropped = trainable & ~kept
     else:

@@ -46,13 +46,14 @@ The transport between ranks is torch.distributed's object collectives
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollq.consumers.trainer.batch import SyncBatch
 from rollq.consumers.trainer.layout import PackedBatch
 from rollq.consumers.trainer.sync import SyncTrainerClient
+from rollq.schemas import ConfigError
 
 
 @dataclass(frozen=True)
@@ -301,12 +302,16 @@ class DataParallelSteps:
     batch, as ``next_batch`` takes it (None for all: the client's ``batch_groups``).
     ``max_tokens``: token budget of a micro-batch (None: one micro-batch per rank).
     ``transport``: None is torch.distributed (``TorchObjectTransport``).
+    ``check``: called on rank 0 with each batch before it is split (the trainer's refusal
+    of a batch it cannot train on, e.g. ``correction.check_logprobs``); what it raises is
+    raised on every rank, and the batch stays pending.
     """
 
     def __init__(self, client: SyncTrainerClient | None, *, groups: int | None = None,
                  sequences: int | None = None, batch_tokens: int | None = None,
                  max_tokens: int | None = None,
-                 transport: RankTransport | None = None) -> None:
+                 transport: RankTransport | None = None,
+                 check: Callable[[SyncBatch], None] | None = None) -> None:
         self.transport: RankTransport = transport or TorchObjectTransport()
         self.rank = self.transport.rank
         self.world_size = self.transport.world_size
@@ -316,6 +321,7 @@ class DataParallelSteps:
         self.client = client
         self._size = {"groups": groups, "sequences": sequences, "max_tokens": batch_tokens}
         self.max_tokens = max_tokens
+        self.check = check
         self.batch: SyncBatch | None = None
         """Rank 0: the whole batch of the current step (rewards, groups, for metrics)."""
 
@@ -325,7 +331,9 @@ class DataParallelSteps:
         Rank 0 waits for a batch (``timeout_s`` as ``next_batch``: None waits for a full
         one; with a timeout the step may be partial, or empty on every rank), plans and
         scatters it. An error on rank 0 (Redis gone past its give-up time, a batch that
-        cannot be split) is raised on every rank, so none waits forever for the others.
+        cannot be split, ``check``'s refusal) is raised on every rank, so none waits
+        forever for the others: a ``ConfigError`` as itself (every rank exits as a
+        single-device trainer would), anything else as a ``RuntimeError`` naming it.
         """
         if self.rank != 0:
             received = self.transport.scatter(None)
@@ -336,10 +344,13 @@ class DataParallelSteps:
         assert self.client is not None
         try:
             self.batch = self.client.next_batch(**self._size, timeout_s=timeout_s)
+            if self.check is not None:
+                self.check(self.batch)
             shards: list[Any] = shard_batch(self.batch.pack(), self.batch.group_ids,
                                             self.world_size, self.max_tokens)
         except Exception as exc:
-            failed = RuntimeError(f"rank 0 could not make the step: {exc!r}")
+            failed = exc if isinstance(exc, ConfigError) else RuntimeError(
+                f"rank 0 could not make the step: {exc!r}")
             self.transport.scatter([failed] * self.world_size)
             raise
         mine: RankShard = self.transport.scatter(shards)

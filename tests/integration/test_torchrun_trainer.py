@@ -6,6 +6,7 @@ accumulation, the global-token normalisation and the full-state checkpoint are e
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from rollq.schemas import Completion, TrajectoryGroup
+from rollq.schemas.models import SamplingRecord
 from tests.factories import score
 from tests.redis_server import RedisServer
 from tests.trainer.helpers import RUN, publish_scored
@@ -44,7 +46,9 @@ async def publish(url: str, groups: int) -> None:
     await redis.aclose()
 
 
-def train(ranks: int, url: str, model: Path, out: Path, steps: int, *extra: str) -> None:
+def train(ranks: int, url: str, model: Path, out: Path, steps: int, *extra: str,
+          fails: bool = False) -> str:
+    """The trainer's output; it must exit 0, or, with ``fails``, not."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(ranks), str(TRAINER), "--model", str(model), "--out", str(out),
             "--redis-url", url, "--run-name", RUN, "--steps", str(steps), "--batch-groups", "4",
@@ -53,7 +57,9 @@ def train(ranks: int, url: str, model: Path, out: Path, steps: int, *extra: str)
             str(out / "metrics.jsonl"), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=120)
-    assert done.returncode == 0, (done.stdout + done.stderr).decode(errors="replace")[-4000:]
+    output = (done.stdout + done.stderr).decode(errors="replace")
+    assert (done.returncode != 0) == fails, output[-4000:]
+    return output
 
 
 def losses(out: Path) -> list[tuple[int, float, float]]:
@@ -84,3 +90,74 @@ async def test_one_rank_ddp_resumed_and_fsdp_agree(
                for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     assert [m["group_ids"] for m in metrics] == [[f"g{i}" for i in range(s, s + 4)]
                                                  for s in (0, 4, 8)]
+
+
+OFFSET = {0: 0.0, 1: math.log(4), 2: 0.0, 3: math.log(4)}
+"""Completion c's sampler logprobs: the model's own plus this (a geometric-mean ratio of
+1 or 1/4)."""
+
+
+async def publish_recorded(url: str, groups: int, model_dir: Path) -> float:
+    """Groups sampled, as the record says, with raw logprobs: the initial model's own,
+    shifted by ``OFFSET`` per completion. Returns the share of trainable tokens in the
+    shifted completions (6 + c tokens each: 7 + 9 of 30)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    redis = aioredis.Redis.from_url(url)
+    await redis.flushdb()
+    rng = np.random.default_rng(1)
+    record = SamplingRecord(temperature=1.0, top_p=1.0, logprobs_mode="raw_logprobs")
+    for g in range(groups):
+        prompt = rng.integers(0, 700, 5, dtype=np.int32)
+        completions = []
+        for c in range(4):
+            ids = rng.integers(0, 700, 6 + c, dtype=np.int32)
+            sequence = torch.as_tensor(np.concatenate([prompt, ids]), dtype=torch.long)
+            with torch.no_grad():
+                logits = model(input_ids=sequence[None]).logits[0, len(prompt) - 1:-1]
+            own = torch.log_softmax(logits.float(), -1).gather(
+                -1, sequence[len(prompt):, None]).squeeze(-1)
+            completions.append(Completion(
+                completion_ids=ids, logprobs=(own - OFFSET[c]).numpy().astype(np.float32),
+                loss_mask=np.ones(6 + c, np.uint8), policy_version=0, finish_reason="stop",
+                text="x", sampling=record))
+        await publish_scored(redis, score(TrajectoryGroup(
+            group_id=f"g{g}", run=RUN, env="toy", policy_version=0, prompt_ids=prompt,
+            prompt_text="q", completions=tuple(completions))))
+    await redis.aclose()
+    return (7 + 9) / (6 + 7 + 8 + 9)
+
+
+async def test_the_off_policy_correction_weighs_each_packed_sequence_on_every_rank(
+    redis_server: RedisServer, tiny_model: Path, tmp_path: Path
+) -> None:
+    """``--is-correction geo`` under torchrun: micro-batches pack several sequences in a
+    row, and each sequence is still kept or dropped by its own geometric-mean ratio (half
+    the completions were sampled at 1/4 the model's probability: exactly their tokens are
+    dropped, on 1 rank and on 2, whose losses agree). Groups whose sampling was not
+    recorded are refused before any step: every rank exits 78 with the reason, the batch
+    stays pending."""
+    base = redis_server.url.rsplit("/", 1)[0]
+    await publish(f"{base}/4", 4)  # no sampling record
+    output = train(2, f"{base}/4", tiny_model, tmp_path / "refused", 1,
+                   "--is-correction", "geo", fails=True)
+    assert output.count("torchrun_trainer: --is-correction geo cannot use this batch: "
+                        "sequence 0 (and 15 more of 16): its sampling was not recorded") == 2
+    redis = aioredis.Redis.from_url(f"{base}/4")
+    assert (await redis.xpending("rollq:{test:0}:scored", "trainer"))["pending"] == 4
+    await redis.aclose()
+    assert (tmp_path / "refused" / "metrics.jsonl").read_text() == ""  # no step
+    assert not (tmp_path / "refused" / "checkpoint.pt").exists()
+
+    geo = ("--is-correction", "geo", "--is-geo-mask", "0.8", "1.25")
+    rows = {}
+    for db, ranks in ((5, 1), (6, 2)):
+        shifted = await publish_recorded(f"{base}/{db}", 8, tiny_model)
+        train(ranks, f"{base}/{db}", tiny_model, tmp_path / str(ranks), 2, *geo)
+        rows[ranks] = [json.loads(line) for line in
+                       (tmp_path / str(ranks) / "metrics.jsonl").read_text().splitlines()]
+        assert [row["is_filter_drop_frac"] for row in rows[ranks]] == pytest.approx(
+            [shifted] * 2), ranks
+    np.testing.assert_allclose([row["loss"] for row in rows[2]],
+                               [row["loss"] for row in rows[1]], rtol=1e-4, atol=1e-6)

@@ -53,6 +53,25 @@ def test_each_method_bounds_the_ratio_its_own_way(correction: IsCorrection,
     assert stats["is_ratio_mean"] == pytest.approx((1 + 3 + 0.25 + 3 * 1.005) / 6, rel=1e-5)
 
 
+@pytest.mark.parametrize("correction", [
+    IsCorrection("tis"), IsCorrection("mis"), IsCorrection("geo"),
+    IsCorrection("geo", geo_mask=(0.9, 1.1))])
+def test_the_packed_layout_weighs_as_the_padded_one(correction: IsCorrection) -> None:
+    """examples/torchrun_trainer.py's micro-batches are packed: several sequences share a
+    row, ``sequences`` says whose each token is; ``geo`` must still average each sequence
+    over its own tokens (the row as one sequence would keep or drop them all together)."""
+    padded, padded_stats = weights_of(correction)
+    lengths = [3, 3]  # RATIOS' rows without their padding, back to back
+    ratios = [r for row, n in zip(RATIOS, lengths, strict=True) for r in row[:n]]
+    sampler = torch.full((6,), -2.0)
+    weights, stats = importance_weights(sampler + torch.log(torch.tensor(ratios)), sampler,
+                                        torch.ones(6), correction,
+                                        sequences=torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert [round(w, 4) for w in weights.tolist()] == [
+        w for row, n in zip(padded, lengths, strict=True) for w in row[:n]]
+    assert stats == pytest.approx(padded_stats)
+
+
 def test_a_huge_log_ratio_gives_a_finite_weight() -> None:
     trainer, sampler = torch.tensor([[0.0]]), torch.tensor([[-500.0]])
     weights, stats = importance_weights(trainer, sampler, torch.ones(1, 1), IsCorrection("tis"))

@@ -3,6 +3,7 @@ each rank gets, and ``DataParallelSteps`` with N ranks as threads over one consu
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from rollq.consumers.trainer import (
     plan_shards,
 )
 from rollq.consumers.trainer.ranks import shard_batch
+from rollq.schemas import ConfigError
 from tests.factories import make_group, score
 from tests.redis_server import RedisServer
 from tests.trainer.helpers import RUN, publish_many
@@ -175,21 +177,27 @@ class ThreadTransport:
                     transport.slot = list(objects)
                 transport.barrier.wait(timeout=30)
                 mine = transport.slot[rank]
-                transport.barrier.wait(timeout=30)
+                # the second wait only keeps rank 0 from refilling the slot early: a rank
+                # that failed right after its scatter (and aborted the barrier) may break it
+                # for a rank that has its part already
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    transport.barrier.wait(timeout=30)
                 return mine
 
         return View()
 
 
 def run_ranks(world_size: int, url: str, steps: int, state: dict[str, Any] | None = None,
-              groups_per_step: int = 3, max_tokens: int | None = 64
+              groups_per_step: int = 3, max_tokens: int | None = 64,
+              check: Any = None, errors: list[BaseException] | None = None,
               ) -> tuple[list[list[RankShard]], dict[str, Any] | None]:
     """Train ``steps`` steps on ``world_size`` thread ranks; every rank's shards, and rank
-    0's state after the last ack."""
+    0's state after the last ack. A rank's error is raised, or, given ``errors``, every
+    rank's is collected there."""
     transport = ThreadTransport(world_size)
     shards: list[list[RankShard]] = [[] for _ in range(world_size)]
     final: list[dict[str, Any] | None] = [None]
-    errors: list[BaseException] = []
+    raised: list[BaseException] = [] if errors is None else errors
     fast = TrainerClientSettings(block_ms=50, reclaim_every_s=3600.0)
 
     def rank_main(rank: int) -> None:
@@ -197,7 +205,7 @@ def run_ranks(world_size: int, url: str, steps: int, state: dict[str, Any] | Non
                   if rank == 0 else None)
         try:
             dp = DataParallelSteps(client, groups=groups_per_step, max_tokens=max_tokens,
-                                   transport=transport.rank_view(rank))
+                                   transport=transport.rank_view(rank), check=check)
             if state is not None:
                 dp.load_state(state if rank == 0 else None)
             for _ in range(steps):
@@ -206,7 +214,7 @@ def run_ranks(world_size: int, url: str, steps: int, state: dict[str, Any] | Non
                 dp.ack()
             final[0] = dp.state() if rank == 0 else final[0]
         except BaseException as exc:
-            errors.append(exc)
+            raised.append(exc)
             transport.barrier.abort()
         finally:
             if client is not None:
@@ -217,8 +225,8 @@ def run_ranks(world_size: int, url: str, steps: int, state: dict[str, Any] | Non
         t.start()
     for t in threads:
         t.join(timeout=60)
-    if errors:
-        raise errors[0]
+    if raised and errors is None:
+        raise raised[0]
     return shards, final[0]
 
 
@@ -275,6 +283,26 @@ def test_a_step_that_cannot_be_split_fails_on_every_rank(redis_server: RedisServ
     asyncio.run(publish())
     with pytest.raises((ValueError, RuntimeError), match="cannot feed 8 ranks"):
         run_ranks(8, redis_server.url, 1, groups_per_step=1)
+
+
+async def test_a_batch_the_check_refuses_stops_every_rank_and_stays_pending(
+    redis_server: RedisServer, real_redis: Any
+) -> None:
+    """``check`` (examples/torchrun_trainer.py's ``--is-correction`` refusing logprobs it
+    cannot compare) runs on rank 0 before the split; its ``ConfigError`` is raised as itself
+    on every rank (each exits 78, as one trainer would), and nothing is acked."""
+    await publish_many(real_redis, 3)
+
+    def refuse(batch: Any) -> None:
+        raise ConfigError(f"cannot use this batch of {len(batch)} groups")
+
+    errors: list[BaseException] = []
+    shards, _ = await _in_thread(run_ranks, 2, redis_server.url, 1, None, 3, 64, refuse, errors)
+    assert shards == [[], []]
+    assert [type(e) for e in errors] == [ConfigError, ConfigError]
+    assert {str(e) for e in errors} == {"cannot use this batch of 3 groups"}
+    pending = await real_redis.xpending("rollq:{test:0}:scored", "trainer")
+    assert pending["pending"] == 3
 
 
 async def _in_thread(function: Any, *args: Any) -> Any:
