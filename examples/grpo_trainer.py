@@ -71,9 +71,9 @@ from transformers import AutoModelForCausalLM
 
 from rollq.consumers.trainer import SyncTrainerClient, TrainerClientSettings, WeightSyncError
 from rollq.consumers.trainer.correction import (
-    CORRECTION_METHODS,
-    IsCorrection,
+    add_correction_arguments,
     check_logprobs,
+    correction_from,
     importance_weights,
     staleness_histogram,
 )
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "first steps move every weight by about lr) [0: none]")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
-    add_correction_args(parser)
+    add_correction_arguments(parser)
     parser.add_argument("--freeze-embeddings", action="store_true",
                         help="do not train the token embeddings and the output layer")
     parser.add_argument("--train-layers", type=int,
@@ -151,25 +151,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
-
-
-def add_correction_args(parser: argparse.ArgumentParser) -> None:
-    """``--is-correction`` and its thresholds (examples/torchrun_trainer.py takes them too)."""
-    parser.add_argument("--is-correction", choices=CORRECTION_METHODS, default="none",
-                        help="off-policy correction: truncated IS, masked IS, geometric "
-                             "sequence masking [none]")
-    parser.add_argument("--is-tis-cap", type=float, default=2.0,
-                        help="tis: the largest token weight [2.0]")
-    parser.add_argument("--is-token-mask", type=float, nargs=2, default=(0.5, 2.0),
-                        metavar=("LOW", "HIGH"), help="mis: token ratios kept [0.5 2.0]")
-    parser.add_argument("--is-geo-mask", type=float, nargs=2, default=(0.99, 1.01),
-                        metavar=("LOW", "HIGH"),
-                        help="geo: sequence geometric-mean ratios kept [0.99 1.01]")
-
-
-def correction_of(args: argparse.Namespace) -> IsCorrection:
-    return IsCorrection(args.is_correction, args.is_tis_cap, tuple(args.is_token_mask),
-                        tuple(args.is_geo_mask))
 
 
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -349,7 +330,7 @@ def learning_rate(args: argparse.Namespace, step: int) -> float:
 def train_on(batch: Any, step: int, model: Any, reference: Any, optimizer: Any,
              args: argparse.Namespace) -> dict[str, Any]:
     """One optimizer step on ``batch`` (the ``step``-th); its metrics record."""
-    correction = correction_of(args)
+    correction = correction_from(args)
     check_logprobs(batch.sampling, correction.method)  # ConfigError: the batch stays pending
     data = batch.targets()
     tensors = {name: torch.as_tensor(value, device=args.device) for name, value in {

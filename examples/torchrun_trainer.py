@@ -49,9 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from grpo_trainer import (
-    add_correction_args,
     component_means,
-    correction_of,
     grpo_loss,
     kl_penalty,
     learning_rate,
@@ -79,7 +77,9 @@ from rollq.consumers.trainer import (
     init_ranks,
 )
 from rollq.consumers.trainer.correction import (
+    add_correction_arguments,
     check_logprobs,
+    correction_from,
     importance_weights,
     staleness_histogram,
 )
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.2, help="PPO clip range epsilon")
     parser.add_argument("--kl-coef", type=float, default=0.0,
                         help="β of the KL term to the frozen --model weights (0: none) [0]")
-    add_correction_args(parser)
+    add_correction_arguments(parser)
     parser.add_argument("--fsdp", action="store_true", help="shard the model (FSDP2)")
     parser.add_argument("--torch-threads", type=int,
                         help="torch CPU threads per rank [torch's default]")
@@ -275,7 +275,7 @@ def train(args: argparse.Namespace) -> int:
     client = (SyncTrainerClient(args.redis_url, run=args.run_name, consumer=args.consumer,
                                 settings=settings).open() if rank == 0 else None)
     metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None
-    correction = correction_of(args)
+    correction = correction_from(args)
     steps = DataParallelSteps(client, groups=args.batch_groups,
                               max_tokens=args.micro_batch_tokens,
                               transport=TorchObjectTransport(objects),

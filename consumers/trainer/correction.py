@@ -31,6 +31,7 @@ imported here only, inside the function that needs it.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -70,6 +71,27 @@ class IsCorrection:
             if not 0 <= low < high:
                 raise ValueError(f"{name} must be [low, high] with 0 <= low < high, got "
                                  f"{[low, high]}")
+
+
+def add_correction_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--is-correction`` and its thresholds, as the example trainers take them (read them
+    back with ``correction_from``)."""
+    parser.add_argument("--is-correction", choices=CORRECTION_METHODS, default="none",
+                        help="off-policy correction: truncated IS, masked IS, geometric "
+                             "sequence masking [none]")
+    parser.add_argument("--is-tis-cap", type=float, default=2.0,
+                        help="tis: the largest token weight [2.0]")
+    parser.add_argument("--is-token-mask", type=float, nargs=2, default=(0.5, 2.0),
+                        metavar=("LOW", "HIGH"), help="mis: token ratios kept [0.5 2.0]")
+    parser.add_argument("--is-geo-mask", type=float, nargs=2, default=(0.99, 1.01),
+                        metavar=("LOW", "HIGH"),
+                        help="geo: sequence geometric-mean ratios kept [0.99 1.01]")
+
+
+def correction_from(args: argparse.Namespace) -> IsCorrection:
+    """The ``IsCorrection`` that ``add_correction_arguments``' flags name."""
+    return IsCorrection(args.is_correction, args.is_tis_cap, tuple(args.is_token_mask),
+                        tuple(args.is_geo_mask))
 
 
 def unusable(record: SamplingRecord | None) -> str | None:
