@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,20 +31,46 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 TRAINER = ROOT / "examples" / "torchrun_trainer.py"
 
 
-async def publish(url: str, groups: int) -> None:
-    """Groups of 4 completions of 6-9 tokens whose ids fit the tiny model's vocabulary."""
+OFFSET = {0: 0.0, 1: math.log(4), 2: 0.0, 3: math.log(4)}
+"""Completion c's sampler logprobs, when recorded: the model's own minus this (a
+geometric-mean ratio of 1 or 1/4)."""
+SHIFTED = (7 + 9) / (6 + 7 + 8 + 9)
+"""The share of trainable tokens in the shifted completions (6 + c tokens each)."""
+
+
+async def publish(url: str, groups: int, model: Any = None) -> None:
+    """Groups of 4 completions of 6-9 tokens whose ids fit the tiny model's vocabulary: their
+    sampler logprobs random, their sampling not recorded; or, given ``model``, sampled (as
+    the record says) with raw logprobs: the model's own, shifted by ``OFFSET``."""
     redis = aioredis.Redis.from_url(url)
     await redis.flushdb()
     rng = np.random.default_rng(0)
+    record = None if model is None else SamplingRecord(temperature=1.0, top_p=1.0,
+                                                       logprobs_mode="raw_logprobs")
     for g in range(groups):
-        completions = tuple(Completion(
-            completion_ids=rng.integers(0, 700, 6 + c, dtype=np.int32),
-            logprobs=-rng.random(6 + c, dtype=np.float32), loss_mask=np.ones(6 + c, np.uint8),
-            policy_version=0, finish_reason="stop", text="x") for c in range(4))
+        prompt = rng.integers(0, 700, 5, dtype=np.int32)
+        completions = []
+        for c in range(4):
+            ids = rng.integers(0, 700, 6 + c, dtype=np.int32)
+            logprobs = (-rng.random(6 + c, dtype=np.float32) if model is None
+                        else own_logprobs(model, prompt, ids) - np.float32(OFFSET[c]))
+            completions.append(Completion(
+                completion_ids=ids, logprobs=logprobs, loss_mask=np.ones(6 + c, np.uint8),
+                policy_version=0, finish_reason="stop", text="x", sampling=record))
         await publish_scored(redis, score(TrajectoryGroup(
-            group_id=f"g{g}", run=RUN, env="toy", policy_version=0, prompt_ids=rng.integers(
-                0, 700, 5, dtype=np.int32), prompt_text="q", completions=completions)))
+            group_id=f"g{g}", run=RUN, env="toy", policy_version=0, prompt_ids=prompt,
+            prompt_text="q", completions=tuple(completions))))
     await redis.aclose()
+
+
+def own_logprobs(model: Any, prompt: np.ndarray[Any, Any],
+                 ids: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``model``'s log-probability of each of ``ids`` after ``prompt`` (float32)."""
+    sequence = torch.as_tensor(np.concatenate([prompt, ids]), dtype=torch.long)
+    with torch.no_grad():
+        logits = model(input_ids=sequence[None]).logits[0, len(prompt) - 1:-1]
+    chosen = torch.log_softmax(logits.float(), -1).gather(-1, sequence[len(prompt):, None])
+    return chosen.squeeze(-1).numpy().astype(np.float32)
 
 
 def train(ranks: int, url: str, model: Path, out: Path, steps: int, *extra: str,
@@ -92,42 +119,6 @@ async def test_one_rank_ddp_resumed_and_fsdp_agree(
                                                  for s in (0, 4, 8)]
 
 
-OFFSET = {0: 0.0, 1: math.log(4), 2: 0.0, 3: math.log(4)}
-"""Completion c's sampler logprobs: the model's own plus this (a geometric-mean ratio of
-1 or 1/4)."""
-
-
-async def publish_recorded(url: str, groups: int, model_dir: Path) -> float:
-    """Groups sampled, as the record says, with raw logprobs: the initial model's own,
-    shifted by ``OFFSET`` per completion. Returns the share of trainable tokens in the
-    shifted completions (6 + c tokens each: 7 + 9 of 30)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    redis = aioredis.Redis.from_url(url)
-    await redis.flushdb()
-    rng = np.random.default_rng(1)
-    record = SamplingRecord(temperature=1.0, top_p=1.0, logprobs_mode="raw_logprobs")
-    for g in range(groups):
-        prompt = rng.integers(0, 700, 5, dtype=np.int32)
-        completions = []
-        for c in range(4):
-            ids = rng.integers(0, 700, 6 + c, dtype=np.int32)
-            sequence = torch.as_tensor(np.concatenate([prompt, ids]), dtype=torch.long)
-            with torch.no_grad():
-                logits = model(input_ids=sequence[None]).logits[0, len(prompt) - 1:-1]
-            own = torch.log_softmax(logits.float(), -1).gather(
-                -1, sequence[len(prompt):, None]).squeeze(-1)
-            completions.append(Completion(
-                completion_ids=ids, logprobs=(own - OFFSET[c]).numpy().astype(np.float32),
-                loss_mask=np.ones(6 + c, np.uint8), policy_version=0, finish_reason="stop",
-                text="x", sampling=record))
-        await publish_scored(redis, score(TrajectoryGroup(
-            group_id=f"g{g}", run=RUN, env="toy", policy_version=0, prompt_ids=prompt,
-            prompt_text="q", completions=tuple(completions))))
-    await redis.aclose()
-    return (7 + 9) / (6 + 7 + 8 + 9)
-
 
 async def test_the_off_policy_correction_weighs_each_packed_sequence_on_every_rank(
     redis_server: RedisServer, tiny_model: Path, tmp_path: Path
@@ -150,14 +141,17 @@ async def test_the_off_policy_correction_weighs_each_packed_sequence_on_every_ra
     assert (tmp_path / "refused" / "metrics.jsonl").read_text() == ""  # no step
     assert not (tmp_path / "refused" / "checkpoint.pt").exists()
 
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     geo = ("--is-correction", "geo", "--is-geo-mask", "0.8", "1.25")
     rows = {}
     for db, ranks in ((5, 1), (6, 2)):
-        shifted = await publish_recorded(f"{base}/{db}", 8, tiny_model)
+        await publish(f"{base}/{db}", 8, model)
         train(ranks, f"{base}/{db}", tiny_model, tmp_path / str(ranks), 2, *geo)
         rows[ranks] = [json.loads(line) for line in
                        (tmp_path / str(ranks) / "metrics.jsonl").read_text().splitlines()]
         assert [row["is_filter_drop_frac"] for row in rows[ranks]] == pytest.approx(
-            [shifted] * 2), ranks
+            [SHIFTED] * 2), ranks
     np.testing.assert_allclose([row["loss"] for row in rows[2]],
                                [row["loss"] for row in rows[1]], rtol=1e-4, atol=1e-6)
